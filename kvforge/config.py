@@ -1,0 +1,126 @@
+"""Model, cache, scheduler and engine configuration, validated on construction.
+
+Errors a user can cause are ValueErrors whose message names the field and the
+allowed range. Pure Python (no torch): the planner and scheduler use it too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvforge.ledger import KVCacheFormat, KVShape, parse_bytes
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The architecture facts kvforge needs, read from an HF `config.json` dict."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type", "llama")
+        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+            model_type, "LlamaForCausalLM"
+        )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        num_kv = cfg.get("num_key_value_heads")
+        num_kv = num_heads if num_kv is None else int(num_kv)
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        n_layers = int(cfg["num_hidden_layers"])
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
+        windows: tuple[int | None, ...] = ()
+        if window:
+            max_window_layers = cfg.get("max_window_layers", n_layers) if model_type == "qwen2" else n_layers
+            windows = tuple(int(window) if i < max_window_layers else None for i in range(n_layers))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg.get("intermediate_size", 4 * hidden)),
+            num_layers=n_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            sliding_windows=windows,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            extra=dict(cfg),
+        )
+
+    def kv_shape(self) -> KVShape:
+        return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, sliding_windows=self.sliding_windows)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+    def cache_format(self, model_dtype: str) -> KVCacheFormat:
+        dtype = model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        return KVCacheFormat.uniform(dtype)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -1,0 +1,203 @@
+"""The KV memory ledger: the one place where KV-cache bytes are computed.
+
+Every other part of kvforge (block pool sizing, the start-up report, metrics,
+`kvforge plan`, benchmarks) asks this module instead of recomputing, so the
+numbers a user sees always agree with what the engine allocates.
+
+Pure Python on purpose: no torch import, so the planner runs before anything
+heavy is loaded and the arithmetic is unit-tested exhaustively.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+# Bytes per stored element. int4 packs two values per byte.
+ELEMENT_BYTES: dict[str, float] = {
+    "float32": 4, "fp32": 4,
+    "float16": 2, "fp16": 2, "half": 2,
+    "bfloat16": 2, "bf16": 2,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+    "int8": 1,
+    "int4": 0.5,
+}
+SCALE_BYTES = 4  # scales are stored as float32
+QUANTIZED_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
+
+
+def element_bytes(dtype: str) -> float:
+    """Bytes of one cached element of `dtype`; ValueError names the allowed set."""
+    try:
+        return ELEMENT_BYTES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"kv cache dtype {dtype!r} is not supported; choose one of {sorted(ELEMENT_BYTES)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one token costs in one layer, independent of dtype.
+
+    `mla_latent_dim > 0` means the layer caches one latent vector per token
+    (MLA: kv_lora_rank + qk_rope_head_dim) instead of K and V per KV head.
+    `sliding_windows[i]` is layer i's window in tokens, or None for full attention.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    mla_latent_dim: int = 0
+    sliding_windows: tuple[int | None, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError(
+                f"sliding_windows has {len(self.sliding_windows)} entries, expected num_layers={self.num_layers}"
+            )
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla_latent_dim > 0
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim if self.v_head_dim is not None else self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """How K and V are stored: element dtypes and the quantization scale layout.
+
+    `scale_granularity` is one of: None (no scales), "tensor" (one static scale
+    per layer, negligible), "token" (one scale per token per KV head... per token
+    across heads), "head" (per token per head), "channel" (per channel per block).
+    """
+
+    k_dtype: str = "float16"
+    v_dtype: str = "float16"
+    scale_granularity: str | None = None
+
+    def __post_init__(self) -> None:
+        element_bytes(self.k_dtype)
+        element_bytes(self.v_dtype)
+        if self.scale_granularity not in (None, "tensor", "token", "head", "channel"):
+            raise ValueError(
+                f"scale_granularity {self.scale_granularity!r} must be one of tensor, token, head, channel"
+            )
+
+    @classmethod
+    def uniform(cls, dtype: str, scale_granularity: str | None = None) -> "KVCacheFormat":
+        if dtype in QUANTIZED_DTYPES and scale_granularity is None:
+            scale_granularity = "token"
+        return cls(dtype, dtype, scale_granularity)
+
+
+def _scale_bytes_per_token_layer(shape: KVShape, fmt: KVCacheFormat, dtype: str, block_size: int) -> float:
+    """Scale bytes one token carries for one quantized tensor (K or V) in one layer."""
+    if dtype not in QUANTIZED_DTYPES or fmt.scale_granularity in (None, "tensor"):
+        return 0.0
+    heads = 1 if shape.is_mla else shape.num_kv_heads
+    dim = shape.mla_latent_dim if shape.is_mla else shape.head_dim
+    if fmt.scale_granularity == "token":
+        return SCALE_BYTES
+    if fmt.scale_granularity == "head":
+        return SCALE_BYTES * heads
+    # per-channel: one scale per channel per block, amortised over the block's tokens
+    return SCALE_BYTES * heads * dim / block_size
+
+
+def kv_bytes_per_token_per_layer(
+    shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+) -> float:
+    """Bytes one token occupies in one layer's cache (scales included)."""
+    if isinstance(fmt, str):
+        fmt = KVCacheFormat.uniform(fmt)
+    if shape.is_mla:
+        # One latent per token; it plays the role of both K and V. Stored with k_dtype.
+        return shape.mla_latent_dim * element_bytes(fmt.k_dtype) + _scale_bytes_per_token_layer(
+            shape, fmt, fmt.k_dtype, block_size
+        )
+    k = shape.num_kv_heads * shape.head_dim * element_bytes(fmt.k_dtype)
+    v = shape.num_kv_heads * shape.value_dim * element_bytes(fmt.v_dtype)
+    scales = _scale_bytes_per_token_layer(shape, fmt, fmt.k_dtype, block_size) + _scale_bytes_per_token_layer(
+        shape, fmt, fmt.v_dtype, block_size
+    )
+    return k + v + scales
+
+
+def kv_bytes_per_token(shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16) -> float:
+    """Bytes one token occupies across all layers (windowed layers counted in full)."""
+    return shape.num_layers * kv_bytes_per_token_per_layer(shape, fmt, block_size)
+
+
+def kv_bytes_per_block(shape: KVShape, block_size: int, fmt: KVCacheFormat | str = "float16") -> int:
+    """Bytes of one paged block across all layers: the unit the block pool allocates."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return int(math.ceil(kv_bytes_per_token(shape, fmt, block_size) * block_size))
+
+
+def kv_bytes_for_sequence(
+    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+) -> float:
+    """Bytes a sequence of `seq_len` tokens holds; windowed layers hold at most their window."""
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+    per_layer = kv_bytes_per_token_per_layer(shape, fmt, block_size)
+    total = 0.0
+    for layer in range(shape.num_layers):
+        window = shape.window_of(layer)
+        total += per_layer * (min(seq_len, window) if window else seq_len)
+    return total
+
+
+def num_blocks_for_memory(
+    memory_bytes: int, shape: KVShape, block_size: int, fmt: KVCacheFormat | str = "float16"
+) -> int:
+    """How many whole blocks fit in `memory_bytes` of KV-cache memory."""
+    if memory_bytes < 0:
+        raise ValueError(f"kv cache memory must be >= 0 bytes, got {memory_bytes}")
+    return int(memory_bytes // kv_bytes_per_block(shape, block_size, fmt))
+
+
+def blocks_per_sequence(seq_len: int, block_size: int) -> int:
+    return -(-seq_len // block_size)
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(value: int | float | str, name: str = "memory") -> int:
+    """Parse '2GiB', '512MB', '1.5e9' or an int into bytes; ValueError names the field."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}: cannot parse {value!r} as a size (examples: 2GiB, 512MB, 1000000)")
+        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if n < 0 or math.isnan(n):
+        raise ValueError(f"{name} must be >= 0 bytes, got {value!r}")
+    return int(n)
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 4.00 KiB, 512.00 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
