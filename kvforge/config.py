@@ -53,13 +53,13 @@ class ModelConfig:
         num_kv = num_heads if num_kv is None else int(num_kv)
         head_dim = cfg.get("head_dim") or hidden // num_heads
         n_layers = int(cfg["num_hidden_layers"])
-        window = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
-            window = None
-        windows: tuple[int | None, ...] = ()
-        if window:
-            max_window_layers = cfg.get("max_window_layers", n_layers) if model_type == "qwen2" else n_layers
-            windows = tuple(int(window) if i < max_window_layers else None for i in range(n_layers))
+        windows = _sliding_windows(cfg, model_type, n_layers)
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
+        rope.pop("rope_theta", None)
+        rope_scaling = cfg.get("rope_scaling") or rope or None
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         return cls(
@@ -73,8 +73,8 @@ class ModelConfig:
             num_kv_heads=num_kv,
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
@@ -88,6 +88,21 @@ class ModelConfig:
 
     def kv_shape(self) -> KVShape:
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, sliding_windows=self.sliding_windows)
+
+
+def _sliding_windows(cfg: dict[str, Any], model_type: str, n_layers: int) -> tuple[int | None, ...]:
+    """Per-layer window sizes (None = full attention) from any of the HF spellings."""
+    window = cfg.get("sliding_window")
+    if not window or (model_type == "qwen2" and not cfg.get("use_sliding_window", False)):
+        return ()
+    layer_types = cfg.get("layer_types")
+    if layer_types and model_type != "qwen2":
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    max_window_layers = cfg.get("max_window_layers", n_layers) if model_type == "qwen2" else n_layers
+    # Qwen2 applies the window from layer max_window_layers upwards.
+    if model_type == "qwen2":
+        return tuple(int(window) if i >= max_window_layers else None for i in range(n_layers))
+    return tuple(int(window) for _ in range(n_layers))
 
 
 @dataclass(slots=True)

@@ -1,0 +1,61 @@
+"""Reference paged attention in plain torch (CPU and CUDA): the ground truth.
+
+Decodes are batched: one query per sequence against its gathered context.
+Each prefill chunk attends over its cached prefix plus its own new tokens with
+a causal mask. GQA groups query heads onto KV heads by reshaping the query
+(`kv_head = q_head // group`), never by repeating K/V. Softmax runs in fp32.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kv.cache_tensors import LayerKVCache
+
+
+def paged_attention(
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q: [num_tokens, heads, d] -> [num_tokens, heads, v_dim]; new K/V must already be written."""
+    outs = []
+    if meta.num_decodes:
+        k, v = cache.gather(meta.decode_block_tables)
+        positions = torch.arange(k.shape[1], device=q.device)
+        seq_lens = meta.decode_seq_lens[:, None]
+        visible = positions[None, :] < seq_lens  # [B, L]
+        if sliding_window:
+            visible &= positions[None, :] >= seq_lens - sliding_window
+        outs.append(_attend(q[: meta.num_decodes, None], k, v, visible[:, None, :], scale, softcap)[:, 0])
+    for chunk in meta.prefills:
+        k, v = cache.gather(chunk.block_table[None])
+        k, v = k[:, : chunk.seq_len], v[:, : chunk.seq_len]
+        q_pos = torch.arange(chunk.start, chunk.seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(chunk.seq_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if sliding_window:
+            visible &= k_pos > q_pos - sliding_window
+        outs.append(_attend(q[chunk.rows][None], k, v, visible[None], scale, softcap)[0])
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """q [B, Tq, H, d], k [B, L, Hkv, d], v [B, L, Hkv, dv], visible [B, Tq, L] -> [B, Tq, H, dv]."""
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    group = h // hkv
+    qg = q.view(b, tq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * tq, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, group*Tq, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, hkv, group, tq, -1)
+    scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, group * tq, -1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, Hkv, group*Tq, dv]
+    return out.view(b, hkv, group, tq, -1).permute(0, 3, 1, 2, 4).reshape(b, tq, h, -1)

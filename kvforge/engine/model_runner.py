@@ -1,0 +1,128 @@
+"""ModelRunner: flattens scheduled chunks into one batch and runs the model.
+
+Holds the model and its per-layer paged caches. Builds input ids, positions,
+slot mapping and block tables (decode rows first, then prefill chunks),
+applies copy-on-write block copies, runs the forward pass, and samples the
+chunks that reach the end of their known tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
+from kvforge.engine.sampler import SampleResult, sample
+from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.kv.manager import KVCacheManager
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, caches: list[LayerKVCache], kv: KVCacheManager, device: torch.device, seed: int = 0
+    ) -> None:
+        self.model, self.caches, self.kv = model, caches, kv
+        self.block_size = kv.block_size
+        self.device = device
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator().manual_seed(seed)
+
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        return torch.tensor(table)[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Returns input ids, positions, metadata and the flattened order of `chunks` used."""
+        decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+        prefills = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        tables = [self.kv.block_table(c.request.request_id) for c in chunks]
+        if decodes:
+            width = max(len(tables[i]) for i in decodes)
+            padded = [tables[i] + [0] * (width - len(tables[i])) for i in decodes]
+            dec_tables = torch.tensor(padded, dtype=torch.int64)
+            pos = torch.tensor([chunks[i].start for i in decodes], dtype=torch.int64)
+            ids.extend(chunks[i].request.all_token_ids[chunks[i].start] for i in decodes)
+            positions.append(pos)
+            slots.append(dec_tables.gather(1, (pos // self.block_size)[:, None])[:, 0] * self.block_size + pos % self.block_size)
+            seq_lens = pos + 1
+        else:
+            dec_tables = torch.zeros(0, 1, dtype=torch.int64)
+            seq_lens = torch.zeros(0, dtype=torch.int64)
+        meta_prefills = []
+        row = len(decodes)
+        for i in prefills:
+            c = chunks[i]
+            end = c.start + c.num_tokens
+            ids.extend(c.request.all_token_ids[c.start : end])
+            positions.append(torch.arange(c.start, end))
+            slots.append(self._slots(tables[i], c.start, end))
+            meta_prefills.append(
+                PrefillChunk(slice(row, row + c.num_tokens), c.start, end, torch.tensor(tables[i], dtype=torch.int64))
+            )
+            row += c.num_tokens
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev),
+            num_decodes=len(decodes),
+            decode_block_tables=dec_tables.to(dev),
+            decode_seq_lens=seq_lens.to(dev),
+            prefills=[PrefillChunk(p.rows, p.start, p.seq_len, p.block_table.to(dev)) for p in meta_prefills],
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        return input_ids, torch.cat(positions).to(dev), meta, decodes + prefills
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        if out.block_copies:
+            for cache in self.caches:
+                cache.copy_blocks(out.block_copies)
+        if out.is_empty:
+            return {}
+        chunks = out.chunks
+        input_ids, positions, meta, order = self.prepare(chunks)
+        hidden = self.model(input_ids, positions, self.caches, meta)
+        # row of each chunk's last token in the flattened batch
+        rows, sampling = [], []
+        row = 0
+        for i in order:
+            c = chunks[i]
+            row += c.num_tokens
+            if c.samples:
+                rows.append(row - 1)
+                sampling.append(c.request)
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).cpu()
+        params = [r.sampling_params for r in sampling]
+        gens = [self._generator(r.request_id, r.sampling_params.seed) for r in sampling]
+        banned = [
+            r.eos_token_ids if (r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.ignore_eos) else ()
+            for r in sampling
+        ]
+        results = sample(logits, params, gens, banned)
+        return {r.request_id: res for r, res in zip(sampling, results)}
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        if seed is None:
+            return self.default_generator
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = self.generators[request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def prompt_logits(self, request_id: str, token_ids: list[int], start: int = 0) -> torch.Tensor:
+        """Logits [T, V] for every position of an already-allocated single request (scoring/perplexity)."""
+        from kvforge.engine.request import Request
+        from kvforge.engine.sampling_params import SamplingParams
+
+        req = Request(request_id, token_ids, SamplingParams())
+        chunk = ScheduledChunk(req, start, len(token_ids) - start)
+        input_ids, positions, meta, _ = self.prepare([chunk])
+        hidden = self.model(input_ids, positions, self.caches, meta)
+        return self.model.compute_logits(hidden).cpu()

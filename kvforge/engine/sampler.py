@@ -1,0 +1,81 @@
+"""Turns the last-position logits of each sampling request into next tokens.
+
+Greedy rows are one batched argmax. Random rows are filtered (temperature,
+top-k, top-p, min-p) in a batch and drawn with each request's own generator,
+so a seeded request produces the same text whatever else shares its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None = None  # log-probability of the chosen token under the model's distribution
+    top_logprobs: dict[int, float] | None = None
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    banned: list[tuple[int, ...]] | None = None,
+) -> list[SampleResult]:
+    """logits: [B, V] fp32. `banned[i]` token ids are masked (EOS before min_tokens)."""
+    if banned is not None:
+        for i, ids in enumerate(banned):
+            if ids:
+                logits[i, list(ids)] = float("-inf")
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
+        for j, i in enumerate(random_rows):
+            chosen[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
+    want_logprobs = [p.logprobs is not None for p in params]
+    logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    results = []
+    chosen_list = chosen.tolist()
+    for i, token in enumerate(chosen_list):
+        if logprobs is None or not want_logprobs[i]:
+            results.append(SampleResult(token))
+            continue
+        k = params[i].logprobs or 0
+        top = {}
+        if k:
+            values, ids = logprobs[i].topk(k)
+            top = dict(zip(ids.tolist(), values.tolist()))
+        results.append(SampleResult(token, float(logprobs[i, token]), top))
+    return results
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
+    logits = logits / temps
+    top_ks = [p.top_k for p in params]
+    if any(top_ks):
+        vocab = logits.shape[-1]
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])[:, None]
+        kth = logits.sort(dim=-1, descending=True).values.gather(-1, k - 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype)[:, None]
+    if (top_ps < 1).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_ps
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype)[:, None]
+    if (min_ps > 0).any():
+        threshold = probs.max(dim=-1, keepdim=True).values * min_ps
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -1,0 +1,67 @@
+"""Per-request sampling parameters, with vLLM's names and validation.
+
+Every invalid value raises a ValueError that names the field and the allowed
+range, because these arrive straight from users (Python API, HTTP, CLI).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        def check(cond: bool, name: str, rule: str) -> None:
+            if not cond:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "-1, 0 (disabled) or a positive integer")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        check(self.seed is None or _is_int(self.seed), "seed", "an integer or None")
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "an integer >= 1 or None")
+        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", "an integer in [0, 20] or None")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        check(all(isinstance(s, str) and s for s in stops), "stop", "a non-empty string or a list of non-empty strings")
+        self._stop = stops
+        ids = self.stop_token_ids or []
+        check(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids", "a list of non-negative integers")
+        self.stop_token_ids = list(ids)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -1,0 +1,169 @@
+"""Continuous batching with chunked prefill under a token budget. Pure Python.
+
+Each step: running requests first (decodes and unfinished prefill chunks), then
+waiting ones while budget, sequence slots and blocks allow. When blocks run out
+the most recently admitted running request is preempted by recompute: its
+blocks are freed and it goes back to the front of the queue.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvforge.config import SchedulerConfig
+from kvforge.engine.request import Request, RequestStatus
+from kvforge.kv.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # tokens already computed before this step
+    num_tokens: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """A chunk that reaches the end of the known tokens produces the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        # A lone request can always grow to this length, so it never preempts itself forever.
+        self.max_seq_len = min(config.max_model_len, kv.pool.num_blocks * kv.block_size)
+
+    def add_request(self, req: Request) -> None:
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        if n >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but max_model_len is {self.config.max_model_len}: "
+                "the prompt plus at least one generated token must fit"
+            )
+        if n >= self.max_seq_len:
+            raise ValueError(
+                f"prompt has {n} tokens but the whole KV cache holds {self.max_seq_len} tokens "
+                f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size}); raise kv_cache_memory or num_kv_blocks"
+            )
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            copies = self.kv.allocate_slots(req, n)
+            while copies is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+                copies = self.kv.allocate_slots(req, n)
+            if copies is None:
+                break
+            out.block_copies.extend(copies)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_cached, budget)
+            copies = self.kv.allocate_slots(req, n, hits)
+            if copies is None:
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.block_copies.extend(copies)
+            out.chunks.append(ScheduledChunk(req, num_cached, n))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, and finish requests; returns the requests that got a token."""
+        advanced = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.is_finished:  # aborted between schedule and update
+                continue
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token)
+            self._check_finished(req, token)
+            advanced.append(req)
+        return advanced
+
+    def _check_finished(self, req: Request, token: int) -> None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return self.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return self.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return self.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
+        if req.num_tokens >= self.max_seq_len:
+            return self.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is, freeing its blocks at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        return req

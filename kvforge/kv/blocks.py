@@ -1,0 +1,122 @@
+"""BlockPool: ref-counted KV blocks, an LRU free queue, and the prefix index.
+
+Freed blocks keep their hash and stay hittable until they are reused; the free
+queue's front is evicted first. Callers free a request's blocks tail-first so a
+chain's tail is evicted before its head. Pure Python.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvforge.kv.hashing import BlockHash
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        cached = "cached" if self.block_hash is not None else "-"
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, {cached})"
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # OrderedDict gives O(1) append, pop-front, and removal from the middle (on a hit).
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Take `n` blocks from the front of the free queue, evicting their cached hashes."""
+        if n > len(self.free_queue):
+            raise ValueError(f"cannot allocate {n} blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+                self.num_evictions += 1
+            block.block_hash = None
+            block.token_ids = None
+
+    def get_cached_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
+        """The cached block for `block_hash`, confirmed by its token ids (no silent collision)."""
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on hit blocks; a free one leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference each, in eviction order (first freed = first evicted)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
+        """Index a newly full block; the first block to publish a hash keeps it."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self.cached.clear()
+        return True
+
+    def check_integrity(self, tables: Iterable[Sequence[KVBlock]]) -> None:
+        """Assert the invariants: free xor referenced, ref counts = holders, index consistent."""
+        holders: dict[int, int] = {}
+        for table in tables:
+            for block in table:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        for block in self.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} held by {holders.get(block.block_id, 0)}"
+            assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), f"{block} free-queue mismatch"
+        assert len(self.free_queue) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks
+        for h, block in self.cached.items():
+            assert block.block_hash == h and block.token_ids is not None, f"index entry {block} stale"

@@ -1,0 +1,160 @@
+"""KVCacheManager: the per-request view of the block pool.
+
+Owns each request's block table and block hashes; answers the scheduler's two
+questions, "how much of this prompt is already cached?" and "can this request
+get room for N more tokens?", and publishes newly full blocks to the prefix
+index. Pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvforge.engine.request import Request
+from kvforge.kv.blocks import BlockPool, KVBlock
+from kvforge.kv.hashing import BlockHash, extend_block_hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Token counts; preempted requests' recompute is counted apart so it cannot inflate the hit rate."""
+
+    queries: int = 0
+    hits: int = 0
+    recompute_queries: int = 0
+    recompute_hits: int = 0
+    window: list[tuple[int, int]] = field(default_factory=list)  # recent (queries, hits) per request
+
+    def record(self, queried: int, hit: int, recompute: bool, window_size: int = 1000) -> None:
+        if recompute:
+            self.recompute_queries += queried
+            self.recompute_hits += hit
+            return
+        self.queries += queried
+        self.hits += hit
+        self.window.append((queried, hit))
+        if len(self.window) > window_size:
+            del self.window[0]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def recent_hit_rate(self) -> float:
+        q = sum(x for x, _ in self.window)
+        return sum(h for _, h in self.window) / q if q else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.tables: dict[str, list[KVBlock]] = {}
+        self.hashes: dict[str, list[BlockHash]] = {}
+        self.num_published: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def _block_hashes(self, req: Request) -> list[BlockHash]:
+        hashes = self.hashes.setdefault(req.request_id, [])
+        extra = (req.cache_salt,) if req.cache_salt else ()
+        return extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra)
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks at the head of `req`; the last token is always recomputed."""
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        hits: list[KVBlock] = []
+        for i, h in enumerate(self._block_hashes(req)[:max_blocks]):
+            block = self.pool.get_cached_block(h, req.all_token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.record(req.num_tokens, len(hits) * bs, recompute=req.num_preemptions > 0)
+        return hits, len(hits) * bs
+
+    def blocks_needed(self, req: Request, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
+        held = len(self.tables.get(req.request_id, ())) + num_computed_blocks
+        total = req.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens
+        return max(0, -(-total // self.block_size) - held)
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[tuple[int, int]] | None:
+        """Give `req` room for `num_new_tokens` more tokens, or None (nothing changed) if blocks run out.
+
+        Returns block copies (src, dst) that copy-on-write requires before this step's writes.
+        """
+        computed_blocks = computed_blocks or []
+        table = self.tables.setdefault(req.request_id, [])
+        num_new_blocks = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
+        cow = self._needs_copy_on_write(req, table, num_new_tokens)
+        # Hit blocks sitting in the free queue stop being free once touched.
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + int(cow) > self.pool.num_free_blocks - reclaimed:
+            if not table:
+                del self.tables[req.request_id]
+            return None
+        self.pool.touch(computed_blocks)
+        table.extend(computed_blocks)
+        copies: list[tuple[int, int]] = []
+        if cow:
+            idx = req.num_computed_tokens // self.block_size
+            old = table[idx]
+            (new,) = self.pool.get_new_blocks(1)
+            self.pool.free_blocks([old])
+            table[idx] = new
+            copies.append((old.block_id, new.block_id))
+        table.extend(self.pool.get_new_blocks(num_new_blocks))
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        self.num_published.setdefault(req.request_id, len(computed_blocks))
+        self._publish_full_blocks(req, (num_computed + num_new_tokens) // self.block_size)
+        return copies
+
+    def _needs_copy_on_write(self, req: Request, table: list[KVBlock], num_new_tokens: int) -> bool:
+        """True when this step writes into a partly filled block that another table shares."""
+        if num_new_tokens == 0 or req.num_computed_tokens % self.block_size == 0:
+            return False
+        idx = req.num_computed_tokens // self.block_size
+        return idx < len(table) and table[idx].ref_cnt > 1
+
+    def _publish_full_blocks(self, req: Request, num_full: int) -> None:
+        if not self.enable_caching:
+            return
+        done = self.num_published.get(req.request_id, 0)
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(req)
+        table, bs = self.tables[req.request_id], self.block_size
+        for i in range(done, min(num_full, len(hashes))):
+            self.pool.cache_block(table[i], hashes[i], req.all_token_ids[i * bs : (i + 1) * bs])
+        self.num_published[req.request_id] = min(num_full, len(hashes))
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """`child` shares every block of `parent` (ref counts rise); writes copy on demand."""
+        table = self.tables.get(parent.request_id, [])
+        self.pool.touch(table)
+        self.tables[child.request_id] = list(table)
+        self.hashes[child.request_id] = list(self.hashes.get(parent.request_id, []))
+        self.num_published[child.request_id] = self.num_published.get(parent.request_id, 0)
+
+    def free(self, req: Request) -> None:
+        """Release `req`'s blocks tail-first, so a chain's tail is evicted before its head."""
+        table = self.tables.pop(req.request_id, [])
+        self.pool.free_blocks(reversed(table))
+        self.hashes.pop(req.request_id, None)
+        self.num_published.pop(req.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self.tables.values())

@@ -1,0 +1,111 @@
+"""Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias); MHA, GQA and MQA.
+
+Parameter names follow the HF checkpoints so weights load without renaming.
+Each attention layer writes its new K/V into its paged cache and then attends
+over the block tables; the metadata travels as an argument, never a global.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.torch_ref import paged_attention
+from kvforge.config import ModelConfig
+from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+        qkv_bias = cfg.attention_bias
+        o_bias = cfg.attention_bias and cfg.model_type != "qwen2"
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cache.write(meta.slot_mapping, k, v)
+        out = paged_attention(q, cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, meta):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBackbone(cfg)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, cache in zip(self.model.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in; missing or unexpected names are an error, not a silent zero."""
+        params = dict(self.named_parameters())
+        expected = set(params)
+        if self.config.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+            weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        missing, unexpected = expected - set(weights), set(weights) - expected
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match {self.config.architecture}: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.copy_(tensor)
