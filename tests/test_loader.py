@@ -1,0 +1,171 @@
+"""The loader must hand the engine exactly the model transformers would build.
+
+GGUF: our dequantized, renamed, rope-unpermuted weights in a transformers
+Llama must give transformers-from-GGUF's logits; our tokenizer its ids.
+HF folder: a saved tiny random Llama round-trips. Bad paths fail loudly.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from kvforge.models.gguf_loader import hf_tensor_name, unpermute_rope_rows
+from kvforge.models.loader import DEFAULT_MODEL_NAME, Checkpoint, default_model_path, load_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello world! The quick brown fox.",
+    "héllo wörld, ça va? 世界 こんにちは",
+    "emoji 🤗🎉👍🏽 done",
+    "def f(x):\n    return x * 2  # 1234567\n",
+    "  leading\t\ttabs\n\n\n   trailing   ",
+    "<|im_start|>user\nhi<|im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> Checkpoint:
+    return load_checkpoint(None)
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    """transformers' own GGUF path: its config parsing, dequantization and reverse permutation.
+
+    (`from_pretrained(gguf_file=...)` calls the same `load_gguf_checkpoint`, but needs
+    `accelerate`; building the model from it directly keeps the test dependency-light.)
+    """
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = default_model_path()
+    cfg = load_gguf_checkpoint(path)["config"]
+    cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "_model_name_or_path")}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.eval()
+
+
+def test_default_checkpoint_shape(ckpt: Checkpoint) -> None:
+    cfg = ckpt.hf_config
+    assert ckpt.path == default_model_path() and ckpt.path.endswith(".gguf")
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"]) == ("llama", 30, 576)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (9, 3, 64)
+    assert cfg["tie_word_embeddings"] and "lm_head.weight" not in ckpt.weights
+    assert cfg["rms_norm_eps"] == 1e-5 and cfg["rope_theta"] == 100000.0
+    assert all(w.dtype == torch.float32 for w in ckpt.weights.values())
+    assert ckpt.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert ckpt.weights["model.embed_tokens.weight"].shape == (49152, 576)
+
+
+def test_gguf_logits_match_transformers(ckpt: Checkpoint, reference_model) -> None:
+    ours = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ckpt.hf_config))
+    missing, unexpected = ours.load_state_dict(ckpt.weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ours.tie_weights()
+    ids = torch.tensor([ckpt.tokenizer.encode("The capital of France is Paris. The capital of Italy is")])
+    with torch.no_grad():
+        got, want = ours.eval()(ids).logits, reference_model(ids).logits
+    assert (got - want).abs().max().item() < 1e-4
+    assert got[0, -1].argmax() == want[0, -1].argmax()
+
+
+def test_rope_unpermute_is_needed(ckpt: Checkpoint, reference_model) -> None:
+    """Guard against a vacuous pass: the raw (permuted) q rows differ from the HF layout."""
+    q = ckpt.weights["model.layers.0.self_attn.q_proj.weight"]
+    ref = reference_model.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(q, ref)
+    permuted = q.reshape(9, 2, 32, 576).transpose(1, 2).reshape(q.shape)  # llama.cpp's forward permute
+    assert not torch.equal(permuted, ref)
+    assert torch.equal(unpermute_rope_rows(permuted, 9), q)
+
+
+def test_gguf_tokenizer_matches_transformers(ckpt: Checkpoint) -> None:
+    path = default_model_path()
+    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok = ckpt.tokenizer
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text), text
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.vocab_size == 49152 and tok.bos_token_id == 1 and tok.eos_token_ids == (2,)
+    assert tok.id_to_token(2) == "<|im_end|>"
+
+
+def test_tensor_names() -> None:
+    assert hf_tensor_name("blk.7.ffn_down.weight") == "model.layers.7.mlp.down_proj.weight"
+    assert hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("rope_freqs.weight") is None
+    with pytest.raises(ValueError, match="blk.0.ssm_a"):
+        hf_tensor_name("blk.0.ssm_a.weight")
+
+
+def test_hf_folder_round_trip(tmp_path, ckpt: Checkpoint) -> None:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=ckpt.tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    ckpt.tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": True,
+        "chat_template": ckpt.tokenizer.chat_template,
+    }))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+
+    loaded = load_checkpoint(str(tmp_path))
+    assert loaded.hf_config["num_hidden_layers"] == 2 and loaded.path == str(tmp_path)
+    want = model.state_dict()
+    assert set(loaded.weights) == set(want)
+    assert all(torch.equal(loaded.weights[k], want[k]) for k in want)
+    tok = loaded.tokenizer
+    assert tok.eos_token_ids == (2, 0) and tok.bos_token_id == 1
+    assert tok.encode("hi") == [1, *ckpt.tokenizer.encode("hi")]  # add_bos_token honoured
+    assert tok.encode("hi", add_special_tokens=False) == ckpt.tokenizer.encode("hi")
+    assert tok.has_chat_template
+
+
+def test_sharded_and_tied_folder(tmp_path, ckpt: Checkpoint) -> None:
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ckpt.tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
+    loaded = load_checkpoint(str(tmp_path))
+    assert "lm_head.weight" not in loaded.weights
+    assert torch.equal(loaded.weights["model.embed_tokens.weight"], model.model.embed_tokens.weight)
+    assert not loaded.tokenizer.has_chat_template
+
+
+def test_bad_paths(tmp_path) -> None:
+    missing = str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="nope"):
+        load_checkpoint(missing)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_checkpoint(str(tmp_path))
+    txt = tmp_path / "weights.bin"
+    txt.write_bytes(b"xx")
+    with pytest.raises(ValueError, match="weights.bin"):
+        load_checkpoint(str(txt))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="fake.gguf"):
+        load_checkpoint(str(fake))
+
+
+def test_default_name_resolves() -> None:
+    assert default_model_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
