@@ -60,6 +60,10 @@ class KVShape:
             raise ValueError(
                 f"sliding_windows has {len(self.sliding_windows)} entries, expected num_layers={self.num_layers}"
             )
+        if any(w is not None and w <= 0 for w in self.sliding_windows):
+            raise ValueError(f"sliding windows must be positive token counts or None, got {self.sliding_windows}")
+        if self.mla_latent_dim < 0 or (self.v_head_dim is not None and self.v_head_dim <= 0):
+            raise ValueError("mla_latent_dim must be >= 0 and v_head_dim positive")
 
     @property
     def is_mla(self) -> bool:
@@ -95,10 +99,12 @@ class KVCacheFormat:
             )
 
     @classmethod
-    def uniform(cls, dtype: str, scale_granularity: str | None = None) -> "KVCacheFormat":
-        if dtype in QUANTIZED_DTYPES and scale_granularity is None:
-            scale_granularity = "token"
-        return cls(dtype, dtype, scale_granularity)
+    def uniform(cls, dtype: str, granularity: str | None = None, *, scale_granularity: str | None = None):
+        """Same dtype for K and V; quantized dtypes default to per-token scales (`scale_granularity=` is an alias)."""
+        granularity = granularity or scale_granularity
+        if dtype in QUANTIZED_DTYPES and granularity is None:
+            granularity = "token"
+        return cls(dtype, dtype, granularity)
 
 
 def _scale_bytes_per_token_layer(shape: KVShape, fmt: KVCacheFormat, dtype: str, block_size: int) -> float:
@@ -173,6 +179,59 @@ def blocks_per_sequence(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
 
+def kv_bytes_for_sequence_paged(
+    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+) -> int:
+    """Bytes a sequence really pins in a paged pool: each layer's held tokens rounded up to whole blocks.
+
+    A windowed layer holds at most `window` tokens (a window-aware allocator frees older blocks);
+    without windows this is exactly `blocks_per_sequence * kv_bytes_per_block`.
+    """
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+    if not shape.sliding_windows:
+        return blocks_per_sequence(seq_len, block_size) * kv_bytes_per_block(shape, block_size, fmt)
+    per_layer_block = kv_bytes_per_token_per_layer(shape, fmt, block_size) * block_size
+    total = 0.0
+    for layer in range(shape.num_layers):
+        window = shape.window_of(layer)
+        held = min(seq_len, window) if window else seq_len
+        total += blocks_per_sequence(held, block_size) * per_layer_block
+    return int(math.ceil(total))
+
+
+def max_concurrency(
+    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+) -> int:
+    """How many sequences of `seq_len` tokens fit at once in `memory_bytes` of KV memory."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if not shape.sliding_windows:  # the block pool's own arithmetic, so the numbers agree exactly
+        return num_blocks_for_memory(memory_bytes, shape, block_size, fmt) // blocks_per_sequence(seq_len, block_size)
+    return int(memory_bytes // kv_bytes_for_sequence_paged(shape, seq_len, fmt, block_size))
+
+
+def kv_memory_budget(gpu_memory: int, utilization: float, weights_bytes: int, activation_bytes: int = 0) -> int:
+    """Bytes left for the KV pool: gpu_memory x utilization - weights - activations.
+
+    A plan with no KV memory is a configuration error, not a result: ValueError names the numbers.
+    """
+    if not 0 < utilization <= 1:
+        raise ValueError(f"memory_utilization must be in (0, 1], got {utilization}")
+    budget = int(gpu_memory * utilization)
+    if weights_bytes > budget:
+        raise ValueError(
+            f"the memory budget {format_bytes(budget)} (gpu_memory x memory_utilization) is smaller than "
+            f"the weights ({format_bytes(weights_bytes)})"
+        )
+    if weights_bytes + activation_bytes >= budget:
+        raise ValueError(
+            f"weights ({format_bytes(weights_bytes)}) + activations ({format_bytes(activation_bytes)}) leave no "
+            f"KV memory in a budget of {format_bytes(budget)}; lower max_num_batched_tokens or add memory"
+        )
+    return budget - weights_bytes - activation_bytes
+
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -185,7 +244,7 @@ def parse_bytes(value: int | float | str, name: str = "memory") -> int:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         n = float(value)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+        m = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{name}: cannot parse {value!r} as a size (examples: 2GiB, 512MB, 1000000)")
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
@@ -200,4 +259,4 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"
+    raise AssertionError("unreachable")

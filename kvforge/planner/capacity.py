@@ -1,0 +1,149 @@
+"""One column of the plan: the ledger for a (model, KV format) pair and, given a GPU, its capacity.
+
+All KV arithmetic is delegated to `kvforge.ledger` (the same functions the block pool
+calls); this module only adds the estimates the ledger cannot know from a KVShape:
+weights, the activation reservation and the transient peak of one prefill chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvforge import ledger
+from kvforge.ledger import KVCacheFormat, KVShape
+from kvforge.planner import arch
+
+LOGIT_BYTES = 4  # logits are computed in float32 for sampling
+
+
+@dataclass(slots=True)
+class PlanOptions:
+    """The workload and machine a plan is for (the CLI flags, validated there)."""
+
+    seq_len: int = 4096
+    batch: int = 32
+    block_size: int = 16
+    gpu_memory: int | None = None
+    memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    avg_seq_len: int | None = None  # None: seq_len
+    attention: str = "fused"  # "eager" materialises the [heads, chunk, context] score matrix
+
+
+@dataclass(slots=True)
+class Capacity:
+    """How the GPU budget splits, and how many sequences the KV pool then holds."""
+
+    budget: int
+    weights: int
+    activations: int
+    kv_memory: int
+    num_blocks: int
+    num_tokens: int
+    max_model_len: int
+    concurrency_at_max: int
+    avg_seq_len: int
+    concurrency_at_avg: int
+
+
+@dataclass(slots=True)
+class Column:
+    """Everything the table, JSON, plot and lints need about one configuration."""
+
+    label: str
+    model: str
+    cfg: dict[str, Any]
+    shape: KVShape
+    fmt: KVCacheFormat
+    weights_dtype: str
+    params: int
+    weights_bytes: int
+    per_token_layer: float
+    per_token: float
+    per_block: int
+    per_seq: float
+    batch_bytes: float
+    capacity: Capacity | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def activation_bytes(cfg: dict[str, Any], tokens: int, max_num_seqs: int, dtype: str) -> int:
+    """Activation reservation for one forward pass of `tokens` tokens (one layer live at a time).
+
+    Per token: residual + normed input + attention output (3 x hidden), q/k/v, and the MLP's
+    gate, up and product (3 x the active intermediate width); plus float32 logits for at most
+    one sampled position per sequence. An estimate of what a profiling run would measure.
+    """
+    c = arch.text_config(cfg)
+    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    if arch.is_mla(c):
+        qkv = heads * (2 * (int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"])) + int(c["v_head_dim"]))
+    else:
+        qkv = (heads + 2 * arch.num_kv_heads(c)) * arch.head_dim(c)
+    per_token = (3 * hidden + qkv + 3 * arch.active_intermediate(c)) * ledger.element_bytes(dtype)
+    logits = min(tokens, max_num_seqs) * int(c["vocab_size"]) * LOGIT_BYTES
+    return int(tokens * per_token + logits)
+
+
+def prefill_transient(cfg: dict[str, Any], chunk: int, context: int, dtype: str) -> dict[str, int]:
+    """Transient bytes of one `chunk`-token prefill step attending to `context` tokens, per layer.
+
+    `gathered_kv`: K/V gathered from the paged cache for attention (for MLA, the latent
+    decompressed into per-head K and V, which is far larger than the cache itself).
+    `scores`: a float32 [heads, chunk, context] score matrix, as an eager (non-fused) path builds.
+    """
+    c = arch.text_config(cfg)
+    heads, elem = int(c["num_attention_heads"]), ledger.element_bytes(dtype)
+    if arch.is_mla(c):
+        per_token = heads * (int(c["qk_nope_head_dim"]) + int(c["qk_rope_head_dim"]) + int(c["v_head_dim"]))
+    else:
+        per_token = 2 * arch.num_kv_heads(c) * arch.head_dim(c)
+    return {"gathered_kv": int(context * per_token * elem), "scores": chunk * context * heads * 4}
+
+
+def model_max_len(cfg: dict[str, Any]) -> int:
+    return int(arch.text_config(cfg).get("max_position_embeddings") or 4096)
+
+
+def build_column(
+    label: str, model: str, cfg: dict[str, Any], fmt: KVCacheFormat, wdtype: str, opts: PlanOptions
+) -> Column:
+    """Compute one column; raises ValueError (exit 2) when the GPU budget cannot hold the model."""
+    shape = arch.kv_shape_from_hf(cfg)
+    params = arch.param_count(cfg)
+    weights = int(params * ledger.element_bytes(wdtype))
+    bs = opts.block_size
+    col = Column(
+        label=label, model=model, cfg=cfg, shape=shape, fmt=fmt, weights_dtype=wdtype, params=params,
+        weights_bytes=weights,
+        per_token_layer=ledger.kv_bytes_per_token_per_layer(shape, fmt, bs),
+        per_token=ledger.kv_bytes_per_token(shape, fmt, bs),
+        per_block=ledger.kv_bytes_per_block(shape, bs, fmt),
+        per_seq=ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
+        batch_bytes=opts.batch * ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
+    )
+    if opts.gpu_memory is not None:
+        try:
+            col.capacity = plan_capacity(col, opts)
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from None
+    return col
+
+
+def plan_capacity(col: Column, opts: PlanOptions) -> Capacity:
+    """Split gpu_memory x utilization into weights, activations and the KV pool, then count."""
+    assert opts.gpu_memory is not None
+    acts = activation_bytes(col.cfg, opts.max_num_batched_tokens, opts.max_num_seqs, col.weights_dtype)
+    kv = ledger.kv_memory_budget(opts.gpu_memory, opts.memory_utilization, col.weights_bytes, acts)
+    blocks = ledger.num_blocks_for_memory(kv, col.shape, opts.block_size, col.fmt)
+    max_len = opts.max_model_len or model_max_len(col.cfg)
+    avg = opts.avg_seq_len or opts.seq_len
+    return Capacity(
+        budget=int(opts.gpu_memory * opts.memory_utilization), weights=col.weights_bytes, activations=acts,
+        kv_memory=kv, num_blocks=blocks, num_tokens=blocks * opts.block_size, max_model_len=max_len,
+        concurrency_at_max=ledger.max_concurrency(kv, col.shape, max_len, col.fmt, opts.block_size),
+        avg_seq_len=avg,
+        concurrency_at_avg=ledger.max_concurrency(kv, col.shape, avg, col.fmt, opts.block_size),
+    )

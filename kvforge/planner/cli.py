@@ -1,0 +1,120 @@
+"""`kvforge plan`: the KV memory ledger of any model, and how many sequences fit, before loading anything.
+
+Examples:
+  kvforge plan --model llama-3-8b
+  kvforge plan --model llama-3-8b --gpu-memory 80GiB --max-model-len 131072 --avg-seq-len 2000
+  kvforge plan --compare llama-2-7b,llama-3-8b,deepseek-v2 --kv-cache-dtype fp8
+  kvforge plan --model path/to/config.json --compare fp16,fp8,int4 --plot kv.png --json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvforge.ledger import parse_bytes
+from kvforge.planner.capacity import Column, PlanOptions, build_column
+from kvforge.planner.lints import Lint, column_lints
+from kvforge.planner.prefix import load_prompts, prefix_cache_lint
+from kvforge.planner.presets import DEFAULT_MODEL, PRESETS, load_model
+from kvforge.planner.report import render_json, render_table
+from kvforge.planner.specs import (
+    GRANULARITIES, format_label, is_format_spec, parse_bandwidth, parse_kv_format, positive_int, weights_dtype,
+)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="KV-cache memory ledger and capacity plan for a model",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"preset ({', '.join(PRESETS)}), config.json or model dir; append :KEY=VALUE to override fields")
+    p.add_argument("--dtype", default="auto", help="weights dtype (default: the config's; float32 served as bf16)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV format: auto, fp16, bf16, fp8, int8, int4; K and V apart as KDTYPE/VDTYPE; @SCALES suffix")
+    p.add_argument("--kv-scales", choices=GRANULARITIES, default=None,
+                   help="scale layout of quantized KV (default: per token)")
+    p.add_argument("--compare", default=None,
+                   help="comma list of models and/or KV formats shown side by side, e.g. llama-2-7b,llama-3-8b or fp16,fp8")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="sequence length for the ledger rows")
+    p.add_argument("--batch", type=positive_int, default=32, help="number of sequences for the batch row")
+    p.add_argument("--gpu-memory", default=None, help="GPU memory, e.g. 80GiB: enables the capacity plan")
+    p.add_argument("--memory-utilization", type=float, default=0.9, help="fraction of GPU memory the engine may use")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="tokens per step (chunk size)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences per step (sampled logits)")
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="default: max_position_embeddings")
+    p.add_argument("--avg-seq-len", type=positive_int, default=None, help="the workload's real length (default --seq-len)")
+    p.add_argument("--attention", choices=("fused", "eager"), default="fused",
+                   help="attention path for the prefill-peak lint: eager materialises the score matrix")
+    p.add_argument("--prompts", default=None, help="sample prompts (.json, .jsonl or text) for the prefix-cache lint")
+    p.add_argument("--offload-bandwidth", default=None, help="host link for KV offload, e.g. 32GB/s (PCIe 4.0 x16)")
+    p.add_argument("--hbm-bandwidth", default="2TB/s", help="GPU memory bandwidth for decode-time estimates")
+    p.add_argument("--plot", default=None, metavar="PNG", help="draw KV memory and concurrency vs context length")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> PlanOptions:
+    """Validate the numeric flags into PlanOptions; ValueError names the flag."""
+    if not 0 < args.memory_utilization <= 1:
+        raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
+    gpu = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory is not None else None
+    if gpu == 0:
+        raise ValueError("--gpu-memory must be > 0")
+    return PlanOptions(
+        seq_len=args.seq_len, batch=args.batch, block_size=args.block_size, gpu_memory=gpu,
+        memory_utilization=args.memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, avg_seq_len=args.avg_seq_len,
+        attention=args.attention,
+    )
+
+
+def _split_compare(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """--compare items that read as KV formats compare formats; the rest compare models."""
+    items = [i.strip() for i in (args.compare or "").split(",") if i.strip()]
+    if args.compare is not None and not items:
+        raise ValueError("--compare needs a comma list of presets, config paths and/or KV dtypes")
+    formats = [i for i in items if is_format_spec(i)]
+    models = [i for i in items if not is_format_spec(i)]
+    return models or [args.model], formats or [args.kv_cache_dtype]
+
+
+def build_columns(args: argparse.Namespace, opts: PlanOptions) -> list[Column]:
+    """One column per (model, KV format) pair, in --compare order."""
+    models, formats = _split_compare(args)
+    cols = []
+    for spec in models:
+        label, cfg = load_model(spec)
+        wdtype = weights_dtype(cfg, args.dtype)
+        for fspec in formats:
+            fmt = parse_kv_format(fspec, wdtype, args.kv_scales)
+            name = f"{label} {format_label(fmt)}" if len(formats) > 1 else label
+            cols.append(build_column(name, label, cfg, fmt, wdtype, opts))
+    return cols
+
+
+def collect_lints(args: argparse.Namespace, cols: list[Column], opts: PlanOptions) -> list[Lint]:
+    offload = parse_bandwidth(args.offload_bandwidth) if args.offload_bandwidth else None
+    hbm = parse_bandwidth(args.hbm_bandwidth, "--hbm-bandwidth")
+    lints = [lint for col in cols for lint in column_lints(col, opts, offload, hbm)]
+    if args.prompts:
+        found = prefix_cache_lint(load_prompts(args.prompts), opts.block_size, cols[0].per_token)
+        if found:
+            lints.insert(0, found)
+    return lints
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = options_from_args(args)
+    cols = build_columns(args, opts)
+    lints = collect_lints(args, cols, opts)
+    if args.plot:
+        from kvforge.planner.plot import write_plot  # matplotlib only when asked
+
+        write_plot(args.plot, cols, opts)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    print(render_json(cols, opts, lints) if args.json else render_table(cols, opts, lints))
+    return 0
