@@ -1,0 +1,174 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
+
+Wires the pieces DESIGN.md names: scheduler -> model runner -> sampler ->
+scheduler update -> incremental detokenization and stop strings. Synchronous;
+the server drives it from its own loop.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.config import ModelConfig, SchedulerConfig
+from kvforge.engine.args import EngineArgs
+from kvforge.engine.model_runner import ModelRunner
+from kvforge.engine.output_processor import OutputProcessor
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.request import Request, RequestStatus
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.startup_report import StartupReport, build_startup_report
+from kvforge.kv.blocks import BlockPool
+from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
+from kvforge.kv.manager import KVCacheManager
+from kvforge.ledger import num_blocks_for_memory
+from kvforge.models.registry import build_model
+
+
+@dataclass
+class EngineCounters:
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from kvforge.models.loader import load_checkpoint
+
+        self.args = args
+        checkpoint = load_checkpoint(args.model)
+        self.tokenizer = checkpoint.tokenizer
+        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = build_model(self.model_config)
+        model.load_weights(checkpoint.weights)
+        del checkpoint
+        self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
+        self._init_cache_and_scheduler()
+
+    def _init_cache_and_scheduler(self) -> None:
+        args, cfg = self.args, self.model_config
+        cache_cfg = args.cache_config()
+        self.cache_format = cache_cfg.cache_format(args.dtype)
+        shape = cfg.kv_shape()
+        num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
+            cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
+        )
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes holds no block of this model's KV cache")
+        max_model_len = args.max_model_len or cfg.max_position_embeddings
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
+        self.pool = BlockPool(num_blocks, cache_cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, cache_cfg.block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        caches = make_layer_caches(cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device)
+        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.counters = EngineCounters()
+        self._ids = itertools.count()
+        self.report: StartupReport = build_startup_report(
+            self.model, cfg, self.cache_format, num_blocks, cache_cfg.block_size, max_model_len, caches, args
+        )
+        if args.log_ledger:
+            print(self.report.render(), flush=True)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request; bad input raises ValueError and leaves the engine untouched."""
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt must be a string (or pass prompt_token_ids)")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported by LLMEngine.add_request; LLM.generate fans it out")
+        request_id = request_id or f"req-{next(self._ids)}"
+        eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
+        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt)
+        max_len = self.scheduler.max_seq_len
+        self.scheduler.add_request(req)  # validates lengths
+        self.outputs.add(req, prompt, max_len)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return False
+        self.runner.release(request_id)
+        self.outputs.abort(req)
+        self.counters.num_requests_aborted += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        now = time.monotonic()
+        for chunk in sched_out.chunks:
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = now
+        results = self.runner.execute(sched_out)
+        self.counters.num_steps += 1
+        self.counters.num_prompt_tokens += sum(
+            min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start)) for c in sched_out.chunks
+        )
+        sampled = {rid: r.token_id for rid, r in results.items()}
+        advanced = self.scheduler.update(sched_out, sampled)
+        self.counters.num_generation_tokens += len(advanced)
+        outputs = []
+        for req in advanced:
+            out, stop_hit = self.outputs.process(req, results[req.request_id])
+            if stop_hit and not req.is_finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                self.runner.release(req.request_id)
+                self.counters.num_requests_finished += 1
+            outputs.append(out)
+        return outputs
+
+    # ---- utilities ------------------------------------------------------------------------
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits for every prompt position through the paged path (used by tests and perplexity)."""
+        req = Request(f"score-{next(self._ids)}", list(token_ids), SamplingParams())
+        if self.kv.allocate_slots(req, len(token_ids)) is None:
+            raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
+        try:
+            return self.runner.prompt_logits(req.request_id, req.all_token_ids)
+        finally:
+            self.kv.free(req)
+
+    def reset_prefix_cache(self) -> None:
+        if not self.kv.reset_prefix_cache():
+            raise RuntimeError(
+                f"cannot reset the prefix cache while {self.pool.num_blocks - self.pool.num_free_blocks} "
+                "blocks are in use; wait for running requests to finish or abort them"
+            )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

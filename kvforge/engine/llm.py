@@ -1,0 +1,123 @@
+"""LLM: the offline batch API, shaped like vLLM's so users feel at home."""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvforge.engine.args import EngineArgs
+from kvforge.engine.engine import LLMEngine
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=None)` loads the default model; every EngineArgs field is a keyword."""
+
+    def __init__(self, model: str | None = None, **kwargs: object) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))  # type: ignore[arg-type]
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in input order."""
+        if prompts is not None and prompt_token_ids is not None:
+            raise ValueError("pass either prompts or prompt_token_ids, not both")
+        if prompt_token_ids is not None:
+            items: list[tuple[str | None, list[int] | None]] = [(None, list(ids)) for ids in prompt_token_ids]
+        elif prompts is not None:
+            items = [(p, None) for p in ([prompts] if isinstance(prompts, str) else list(prompts))]
+        else:
+            raise ValueError("prompts or prompt_token_ids is required")
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(items)} prompts")
+        return self._run(items, params, use_tqdm, cache_salt)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a batch of them, rendered with the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so chat is unavailable")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outs = self._run([(p, i) for p, i in zip(prompts, ids)], [sampling_params or SamplingParams()] * len(ids), use_tqdm, None)
+        return outs
+
+    def _run(self, items, params, use_tqdm, cache_salt) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
+        engine = self.engine
+        groups: list[list[str]] = []
+        submitted: list[str] = []
+        try:
+            for (prompt, ids), p in zip(items, params):
+                group = []
+                for i in range(p.n):
+                    sub = replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                    rid = engine.add_request(prompt, sub, ids, cache_salt=cache_salt)
+                    group.append(rid)
+                    submitted.append(rid)
+                groups.append(group)
+        except ValueError:
+            for rid in submitted:  # bad input loses nothing: withdraw what this call queued
+                engine.abort_request(rid)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        bar = _progress(len(submitted), use_tqdm)
+        start, tokens = time.monotonic(), 0
+        try:
+            while len(finals) < len(submitted):
+                for out in engine.step():
+                    tokens += len(out.outputs[0].delta_token_ids)
+                    if out.finished:
+                        finals[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    bar.set_postfix_str(f"{tokens / max(time.monotonic() - start, 1e-9):.1f} tok/s", refresh=False)
+        except BaseException:
+            for rid in submitted:
+                if rid not in finals:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [_merge([finals[rid] for rid in group]) for group in groups]
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+
+def _merge(outs: list[RequestOutput]) -> RequestOutput:
+    """Fold the n samples of one prompt into one RequestOutput with n completions."""
+    first = outs[0]
+    completions = []
+    for i, o in enumerate(outs):
+        c = o.outputs[0]
+        c.index = i
+        completions.append(c)
+    return replace(first, outputs=completions)
+
+
+def _progress(total: int, use_tqdm: bool | None):  # type: ignore[no-untyped-def]
+    if use_tqdm is False or (use_tqdm is None and not sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

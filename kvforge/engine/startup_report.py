@@ -1,0 +1,97 @@
+"""The ledger the engine prints at start-up: where every byte went.
+
+The figures come from `kvforge.ledger` and are cross-checked against the bytes
+the cache tensors really allocated, so a mismatch is a bug caught at start-up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvforge.config import ModelConfig
+from kvforge.ledger import (
+    KVCacheFormat,
+    blocks_per_sequence,
+    format_bytes,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+)
+
+
+@dataclass
+class StartupReport:
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    weights_bytes: int
+    kv_dtype: str
+    kv_bytes_per_token: float
+    block_size: int
+    kv_bytes_per_block: int
+    num_blocks: int
+    kv_cache_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    @property
+    def token_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Sequences of max_model_len that fit in the cache at once."""
+        return self.num_blocks / blocks_per_sequence(self.max_model_len, self.block_size)
+
+    def render(self) -> str:
+        rows = [
+            ("model", f"{self.model} ({self.architecture}, {self.dtype}, {self.device})"),
+            ("weights", format_bytes(self.weights_bytes)),
+            ("kv cache dtype", self.kv_dtype),
+            ("kv bytes per token", f"{format_bytes(self.kv_bytes_per_token)} (all layers)"),
+            ("kv block", f"{self.block_size} tokens = {format_bytes(self.kv_bytes_per_block)}"),
+            ("kv cache", f"{self.num_blocks} blocks = {format_bytes(self.kv_cache_bytes)}"),
+            ("kv capacity", f"{self.token_capacity} tokens"),
+            ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
+            ("scheduler", f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():  # parameters() yields a tied tensor once
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def build_startup_report(
+    model: torch.nn.Module, cfg: ModelConfig, fmt: KVCacheFormat, num_blocks: int, block_size: int,
+    max_model_len: int, caches: list, args: object,
+) -> StartupReport:
+    shape = cfg.kv_shape()
+    per_block = kv_bytes_per_block(shape, block_size, fmt)
+    allocated = sum(c.nbytes for c in caches)
+    assert allocated == per_block * num_blocks, f"cache allocated {allocated} B, ledger says {per_block * num_blocks} B"
+    kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
+    return StartupReport(
+        model=getattr(args, "model", None) or "SmolLM2-135M-Instruct (default)",
+        architecture=cfg.architecture,
+        dtype=getattr(args, "dtype", "float32"),
+        device=str(next(model.parameters()).device),
+        weights_bytes=weights_bytes(model),
+        kv_dtype=kv_dtype,
+        kv_bytes_per_token=kv_bytes_per_token(shape, fmt, block_size),
+        block_size=block_size,
+        kv_bytes_per_block=per_block,
+        num_blocks=num_blocks,
+        kv_cache_bytes=allocated,
+        max_model_len=max_model_len,
+        max_num_seqs=getattr(args, "max_num_seqs", 0),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0),
+    )

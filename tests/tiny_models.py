@@ -1,0 +1,77 @@
+"""Tiny random-weight models of each family, built with transformers' own config classes.
+
+Saved as HF folders (config.json + model.safetensors + a byte-level tokenizer)
+so kvforge loads them exactly as it would load a downloaded model, and
+transformers runs the same weights as the correctness referee.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+VOCAB = 320  # 256 byte tokens + specials + spare ids
+EOS_TEXT = "<|endoftext|>"
+
+
+def write_byte_tokenizer(path: str) -> None:
+    """A byte-level BPE tokenizer with no merges: every byte is a token; id 256 is EOS."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS_TEXT])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": EOS_TEXT, "bos_token": None, "add_bos_token": False,
+                   "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                                    "{% if add_generation_prompt %}<assistant>{% endif %}"}, f)
+
+
+FAMILIES = {
+    "llama_gqa": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "llama_mha": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 4}),
+    "llama_mqa": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 1}),
+    "llama3_rope": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 500000.0,
+                                    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama_untied": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "qwen2_bias": ("Qwen2Config", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "mistral": ("MistralConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None}),
+}
+
+
+def build_tiny_model(path: str, family: str = "llama_gqa", seed: int = 0, **overrides):
+    """Save a tiny random model of `family` under `path`; returns the transformers model (fp32, eval)."""
+    import transformers
+
+    cls_name, kwargs = FAMILIES[family]
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None, eos_token_id=256,
+                pad_token_id=None)
+    base.update(kwargs)
+    base.update(overrides)
+    cfg = getattr(transformers, cls_name)(**base)
+    torch.manual_seed(seed)
+    model_cls = transformers.AutoModelForCausalLM.from_config(cfg).__class__
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # larger-than-default weights so logits are far from uniform and ties are rare
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.15)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path)
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate for one prompt, with EOS ignored."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
