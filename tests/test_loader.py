@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from kvforge.models.gguf_loader import hf_tensor_name, unpermute_rope_rows
+from kvforge.models.gguf_loader import _LAYER_NAMES, _byte_alphabet, hf_tensor_name, unpermute_rope_rows
 from kvforge.models.loader import DEFAULT_MODEL_NAME, Checkpoint, default_model_path, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -169,3 +169,76 @@ def test_bad_paths(tmp_path) -> None:
 def test_default_name_resolves() -> None:
     assert default_model_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert DEFAULT_MODEL_NAME == "SmolLM2-135M-Instruct"
+
+
+def _write_gguf(path, arch: str, model, permute: bool) -> None:
+    """Write an HF model as llama.cpp would (names, f32 tensors, rope-permuted q/k for llama)."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    c = model.config
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"] if hasattr(c, "rope_parameters") else c.rope_theta)
+    tokens = ["<|endoftext|>", *_byte_alphabet().values()]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3] + [1] * 256)
+    w.add_token_merges([])
+    w.add_eos_token_id(0)
+    names = {v: k for k, v in {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                               "output": "lm_head"}.items()}
+    for hf, t in model.state_dict().items():
+        a = t.detach().numpy().astype(np.float32)
+        base, kind = hf.rsplit(".", 1)
+        if base.startswith("model.layers."):
+            _, _, i, rest = base.split(".", 3)
+            gg = {v: k for k, v in _LAYER_NAMES.items()}[rest]
+            if permute and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+                n = c.num_attention_heads if "q_proj" in rest else c.num_key_value_heads
+                a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+            w.add_tensor(f"blk.{i}.{gg}.{kind}", np.ascontiguousarray(a))
+        else:
+            w.add_tensor(f"{names[base]}.{kind}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_synthetic_gguf_round_trip(tmp_path, arch: str) -> None:
+    """Tiny random models written as GGUF: llama with q/k biases (permuted too), qwen2 (biases, no permute)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=True, **common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    with torch.no_grad():  # non-zero biases so a wrong bias permutation would show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, model.eval(), permute=arch == "llama")
+    ck = load_checkpoint(str(path))
+    assert ck.hf_config["model_type"] == arch and not ck.hf_config["tie_word_embeddings"]
+    want = model.state_dict()
+    assert set(ck.weights) == set(want)
+    for k in want:
+        assert torch.equal(ck.weights[k], want[k]), k
+    cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    cfg_cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    ours = cls(cfg_cls(**ck.hf_config))
+    ours.load_state_dict(ck.weights)
+    ids = torch.tensor([ck.tokenizer.encode("héllo 🤗")])
+    with torch.no_grad():
+        assert torch.allclose(ours.eval()(ids).logits, model(ids).logits, atol=1e-5)
+    assert ck.tokenizer.decode(ids[0].tolist()) == "héllo 🤗"
