@@ -1,0 +1,1 @@
+"""`kvforge plan`: capacity planning on top of `kvforge.ledger` (pure Python; matplotlib only for --plot)."""

@@ -23,7 +23,7 @@ _PIECES = re.compile(r"\w+|[^\w\s]|\s+")
 _KINDS = [
     ("uuid", re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", re.I)),
     ("timestamp", re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}(:\d{2})?|\b1[6-9]\d{8}\b")),
-    ("hex id", re.compile(r"\b[0-9a-f]{8,}\b", re.I)),
+    ("hex id", re.compile(r"\b(?=[0-9a-f]*[a-f])[0-9a-f]{8,}\b", re.I)),
     ("number/id", re.compile(r"\d{3,}")),
 ]
 
@@ -62,6 +62,8 @@ class HeadSplit:
     head_chars: int  # end of the shared head (dynamic field included)
     dynamic_a: str
     dynamic_b: str
+    context_a: str = ""  # the difference with a few pieces around it, to recognise uuids and timestamps
+    context_b: str = ""
 
 
 def split_head(a: str, b: str) -> HeadSplit | None:
@@ -84,13 +86,14 @@ def split_head(a: str, b: str) -> HeadSplit | None:
             break
         end_a, end_b = m.a + m.size, m.b + m.size
     common = "".join(pa[: first.size])
+    lo = max(0, first.size - 8)
     return HeadSplit(len(common), len("".join(pa[:end_a])), "".join(pa[first.size:second.a]),
-                     "".join(pb[first.size:second.b]))
+                     "".join(pb[first.size:second.b]), "".join(pa[lo:second.a + 8]), "".join(pb[lo:second.b + 8]))
 
 
-def _kind(text: str) -> str:
+def _kind(*texts: str) -> str:
     for name, pattern in _KINDS:
-        if pattern.search(text):
+        if any(pattern.search(t) for t in texts):
             return name
     return "dynamic text"
 
@@ -109,7 +112,7 @@ def prefix_cache_lint(prompts: list[str], block_size: int, per_token_bytes: floa
     lost = head_blocks - reuse_blocks
     if lost < 1:
         return None
-    kind = _kind(worst.dynamic_a + worst.dynamic_b)
+    kind = _kind(worst.context_a, worst.context_b)
     return Lint("prefix-cache-killer", "warning", (
         f"prompts share a ~{head_tokens}-token head, but a {kind} ({worst.dynamic_a.strip()!r} vs "
         f"{worst.dynamic_b.strip()!r}) sits at ~token {reuse_tokens}: prefix caching reuses {reuse_blocks} "
