@@ -130,6 +130,7 @@ def test_prompts_and_offload_lints(capsys, tmp_path):
     (["--memory-utilization", "1.5", "--gpu-memory", "80GiB"], "--memory-utilization must be in (0, 1]"),
     (["--kv-cache-dtype", "fp7"], "not supported"),
     (["--compare", "fp16,fp9/"], "neither a preset"),
+    (["--gpu-memory", "80GiB", "--avg-seq-len", "9000"], "exceeds max_model_len 8192"),
     (["--offload-bandwidth", "0GB/s"], "--offload-bandwidth must be > 0"),
     (["--model", "llama-3-8b:num_key_value_heads=-2"], "must be a positive integer"),
 ])

@@ -140,6 +140,8 @@ def plan_capacity(col: Column, opts: PlanOptions) -> Capacity:
     blocks = ledger.num_blocks_for_memory(kv, col.shape, opts.block_size, col.fmt)
     max_len = opts.max_model_len or model_max_len(col.cfg)
     avg = opts.avg_seq_len or opts.seq_len
+    if avg > max_len:
+        raise ValueError(f"--avg-seq-len {avg} exceeds max_model_len {max_len}; raise --max-model-len")
     return Capacity(
         budget=int(opts.gpu_memory * opts.memory_utilization), weights=col.weights_bytes, activations=acts,
         kv_memory=kv, num_blocks=blocks, num_tokens=blocks * opts.block_size, max_model_len=max_len,
