@@ -29,6 +29,14 @@ def tok() -> Tokenizer:
     return Tokenizer.from_gguf(GGUFReader(default_model_path()))
 
 
+@pytest.fixture(scope="module")
+def ref_tok():
+    """transformers' tokenizer built from the same GGUF (the reference)."""
+    transformers = pytest.importorskip("transformers")
+    path = default_model_path()
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
 def tiny(template: str | None, **kw) -> Tokenizer:
     """A 3-token tokenizer with an arbitrary chat template."""
     backend = HFTokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "hi": 2}, unk_token="hi"))
@@ -37,10 +45,8 @@ def tiny(template: str | None, **kw) -> Tokenizer:
 
 
 @pytest.mark.parametrize("gen", [True, False])
-def test_chat_template_matches_transformers(tok: Tokenizer, gen: bool) -> None:
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    ref = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+def test_chat_template_matches_transformers(tok: Tokenizer, ref_tok, gen: bool) -> None:
+    ref = ref_tok
     for messages in CONVERSATIONS:
         want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
         got = tok.apply_chat_template(messages, add_generation_prompt=gen)
