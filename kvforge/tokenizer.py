@@ -47,7 +47,7 @@ class Tokenizer:
             if tid is not None and chat_template and marker in chat_template and tid not in eos:
                 eos.append(tid)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
-        self._decoded_special = {
+        self._special_ids = {
             tid for tid, tok in backend.get_added_tokens_decoder().items() if tok.special
         }
 
@@ -134,7 +134,7 @@ class Tokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         """Ids of special (control) tokens, plus BOS/EOS ids."""
-        ids = set(self._decoded_special) | set(self.eos_token_ids)
+        ids = set(self._special_ids) | set(self.eos_token_ids)
         if self.bos_token_id is not None:
             ids.add(self.bos_token_id)
         return sorted(ids)
