@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random models saved once per session, engines checked for leaks."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Returns (path, transformers_model) for a family, building each family once per session."""
+    built: dict[tuple, tuple[str, object]] = {}
+
+    def get(family: str = "llama_gqa", **overrides):
+        key = (family, tuple(sorted(overrides.items(), key=str)))
+        if key not in built:
+            path = str(tmp_path_factory.mktemp(family))
+            built[key] = (path, build_tiny_model(path, family, **overrides))
+        return built[key]
+
+    return get
+
+
+def assert_no_leaks(engine) -> None:
+    """Every block is back in the pool and the pool's invariants hold."""
+    engine.check_integrity()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks, "KV blocks leaked"
+    assert not engine.has_unfinished_requests()
