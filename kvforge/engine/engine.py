@@ -7,6 +7,7 @@ the server drives it from its own loop.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import dataclass
 
@@ -70,13 +71,14 @@ class LLMEngine:
         caches = make_layer_caches(cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device)
         self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self.report: StartupReport = build_startup_report(
             self.model, cfg, self.cache_format, num_blocks, cache_cfg.block_size, max_model_len, caches, args
         )
         if args.log_ledger:
-            print(self.report.render(), flush=True)
+            print(self.report.render(), file=sys.stderr, flush=True)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -100,22 +102,27 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if params.n != 1:
-            raise ValueError("n > 1 is not supported by LLMEngine.add_request; LLM.generate fans it out")
         request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.samples:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
-        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt)
+        # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
+        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n)
         max_len = self.scheduler.max_seq_len
-        self.scheduler.add_request(req)  # validates lengths
+        self.scheduler.add_request(req)  # validates lengths and n
         self.outputs.add(req, prompt, max_len)
+        self.samples[request_id] = [req]
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
-        if req is None:
+        """Abort a request and, with n > 1, every one of its samples."""
+        samples = self.samples.pop(request_id, None)
+        if samples is None:
             return False
-        self.runner.release(request_id)
-        self.outputs.abort(req)
+        for req in samples:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(req.request_id)
+        self.outputs.abort(request_id, samples)
         self.counters.num_requests_aborted += 1
         return True
 
@@ -124,7 +131,7 @@ class LLMEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
+        return len(self.samples)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -133,6 +140,10 @@ class LLMEngine:
         for chunk in sched_out.chunks:
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
+        for chunk in sched_out.chunks:
+            if chunk.forks:
+                self.samples[chunk.request.group_id].extend(chunk.forks)
+                self.outputs.fork(chunk.forks)
         results = self.runner.execute(sched_out)
         self.counters.num_steps += 1
         self.counters.num_prompt_tokens += sum(
@@ -141,15 +152,20 @@ class LLMEngine:
         sampled = {rid: r.token_id for rid, r in results.items()}
         advanced = self.scheduler.update(sched_out, sampled)
         self.counters.num_generation_tokens += len(advanced)
-        outputs = []
+        completions = []
         for req in advanced:
-            out, stop_hit = self.outputs.process(req, results[req.request_id])
+            completion, stop_hit = self.outputs.process(req, results[req.request_id])
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
                 self.runner.release(req.request_id)
+                self.samples[req.group_id].remove(req)
+            completions.append((req, completion))
+        outputs = self.outputs.collect(completions)
+        for out in outputs:
+            if out.finished:
+                del self.samples[out.request_id]
                 self.counters.num_requests_finished += 1
-            outputs.append(out)
         return outputs
 
     # ---- utilities ------------------------------------------------------------------------

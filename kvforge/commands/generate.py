@@ -1,0 +1,44 @@
+"""`kvforge generate PROMPT...`: continue prompts with the default (or any) model, streaming one prompt."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvforge.commands.common import add_sampling_args, print_stream, sampling_params_from_args
+from kvforge.engine.args import add_engine_cli_args, engine_args_from_cli
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from one or more prompts")
+    p.add_argument("prompts", nargs="*", help="prompt text (several prompts run as one batch)")
+    p.add_argument("--prompt-file", default=None, help="read prompts from a file, one per line")
+    p.add_argument("--quiet-ledger", action="store_true", help="do not print the start-up ledger")
+    add_sampling_args(p)
+    add_engine_cli_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge.engine.engine import LLMEngine
+    from kvforge.engine.llm import LLM
+
+    prompts = list(args.prompts)
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        raise ValueError("give at least one prompt (positional argument or --prompt-file)")
+    params = sampling_params_from_args(args)
+    engine_args = engine_args_from_cli(args, log_ledger=not args.quiet_ledger)
+    if len(prompts) == 1:
+        engine = LLMEngine(engine_args)
+        rid = engine.add_request(prompts[0], params)
+        print_stream(engine, rid)
+        return 0
+    llm = LLM.__new__(LLM)
+    llm.engine = LLMEngine(engine_args)
+    llm.tokenizer = llm.engine.tokenizer
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        print(f"=== {prompt!r}\n{out.outputs[0].text}")
+    sys.stdout.flush()
+    return 0
