@@ -36,6 +36,7 @@ class ModelConfig:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     sliding_windows: tuple[int | None, ...] = ()
+    mla_latent_dim: int = 0  # MLA (DeepSeek-V2/V3): kv_lora_rank + qk_rope_head_dim cached per token per layer
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
@@ -81,13 +82,28 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_windows=windows,
+            mla_latent_dim=int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"]) if cfg.get("kv_lora_rank") else 0,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             extra=dict(cfg),
         )
 
     def kv_shape(self) -> KVShape:
+        if self.mla_latent_dim:  # one latent per token per layer, shared by every head
+            return KVShape(self.num_layers, 1, self.mla_latent_dim, mla_latent_dim=self.mla_latent_dim)
         return KVShape(self.num_layers, self.num_kv_heads, self.head_dim, sliding_windows=self.sliding_windows)
+
+    @property
+    def block_free_window(self) -> int | None:
+        """Window after which a request's old blocks can go back to the pool, or None.
+
+        One block table spans every layer, so a block is dead only when no layer can see it:
+        that needs every layer windowed (the widest window decides). Hybrid local/global
+        models (Gemma 2/3) keep their blocks for the global layers.
+        """
+        if not self.sliding_windows or any(w is None for w in self.sliding_windows):
+            return None
+        return max(w for w in self.sliding_windows if w is not None)
 
 
 def _sliding_windows(cfg: dict[str, Any], model_type: str, n_layers: int) -> tuple[int | None, ...]:
@@ -98,6 +114,11 @@ def _sliding_windows(cfg: dict[str, Any], model_type: str, n_layers: int) -> tup
     layer_types = cfg.get("layer_types")
     if layer_types and model_type != "qwen2":
         return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    if model_type.startswith("gemma3"):  # older configs: `sliding_window_pattern - 1` local layers, then a global
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        return tuple(int(window) if (i + 1) % pattern else None for i in range(n_layers))
+    if model_type == "gemma2":  # alternating, starting with a local layer
+        return tuple(int(window) if (i + 1) % 2 else None for i in range(n_layers))
     max_window_layers = cfg.get("max_window_layers", n_layers) if model_type == "qwen2" else n_layers
     # Qwen2 applies the window from layer max_window_layers upwards.
     if model_type == "qwen2":

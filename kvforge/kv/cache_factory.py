@@ -9,18 +9,40 @@ import torch
 
 from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import DenseKVCache, LayerKVCache
+from kvforge.kv.latent_cache import LatentKVCache
+from kvforge.kv.quant import is_quantized
+from kvforge.kv.quantized_cache import QuantizedKVCache
 from kvforge.ledger import KVCacheFormat
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def make_layer_caches(
-    cfg: ModelConfig, fmt: KVCacheFormat, num_blocks: int, block_size: int, device: torch.device
+    cfg: ModelConfig, fmt: KVCacheFormat, num_blocks: int, block_size: int, device: torch.device,
+    compute_dtype: torch.dtype | None = None,
 ) -> list[LayerKVCache]:
+    """`compute_dtype` is the model's dtype: what attention reads back (None: the cache dtype)."""
+    quantized = is_quantized(fmt.k_dtype) or is_quantized(fmt.v_dtype)
+    dense_dtype = TORCH_DTYPES.get(fmt.k_dtype)
+    if not cfg.kv_shape().is_mla and (
+        quantized or fmt.k_dtype != fmt.v_dtype or (compute_dtype is not None and dense_dtype != compute_dtype)
+    ):  # K/V in their own formats (quantized, split, or stored in another dtype than the model's)
+        shape = cfg.kv_shape()
+        return [
+            QuantizedKVCache(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim,
+                             fmt.k_dtype, fmt.v_dtype, fmt.scale_granularity, compute_dtype or torch.float32, device)
+            for _ in range(cfg.num_layers)
+        ]
     if fmt.k_dtype not in TORCH_DTYPES or fmt.v_dtype != fmt.k_dtype:
         raise ValueError(f"kv_cache_dtype {fmt.k_dtype!r}/{fmt.v_dtype!r} is not supported by this build")
     dtype = TORCH_DTYPES[fmt.k_dtype]
     shape = cfg.kv_shape()
+    if shape.is_mla:  # MLA caches one latent per token (c_kv + shared rope key), not K/V per head
+        rank = int(cfg.extra["kv_lora_rank"])
+        return [
+            LatentKVCache(num_blocks, block_size, rank, shape.mla_latent_dim - rank, dtype, device)
+            for _ in range(cfg.num_layers)
+        ]
     return [
         DenseKVCache(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim, dtype, device)
         for _ in range(cfg.num_layers)

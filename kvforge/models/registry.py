@@ -4,12 +4,15 @@ from __future__ import annotations
 from torch import nn
 
 from kvforge.config import ModelConfig
+from kvforge.models.deepseek_v2 import DeepseekV2ForCausalLM
 from kvforge.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 
