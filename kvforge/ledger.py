@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 # Bytes per stored element. int4 packs two values per byte.
 ELEMENT_BYTES: dict[str, float] = {
@@ -107,37 +108,48 @@ class KVCacheFormat:
         return cls(dtype, dtype, granularity)
 
 
-def _scale_bytes_per_token_layer(shape: KVShape, fmt: KVCacheFormat, dtype: str, block_size: int) -> float:
-    """Scale bytes one token carries for one quantized tensor (K or V) in one layer."""
+def _scale_bytes_per_block_layer(
+    shape: KVShape, fmt: KVCacheFormat, dtype: str, block_size: int, tensor: str = "k"
+) -> int:
+    """Scale bytes one block carries for one quantized tensor (K or V) in one layer.
+
+    Per-channel scales are KIVI-style and apply to K (and to an MLA latent, which plays K's
+    role) only: V falls back to per-token scales, exactly as the engine stores it.
+    """
     if dtype not in QUANTIZED_DTYPES or fmt.scale_granularity in (None, "tensor"):
-        return 0.0
+        return 0
     heads = 1 if shape.is_mla else shape.num_kv_heads
     dim = shape.mla_latent_dim if shape.is_mla else shape.head_dim
-    if fmt.scale_granularity == "token":
-        return SCALE_BYTES
-    if fmt.scale_granularity == "head":
-        return SCALE_BYTES * heads
-    # per-channel: one scale per channel per block, amortised over the block's tokens
-    return SCALE_BYTES * heads * dim / block_size
+    granularity = "token" if (fmt.scale_granularity == "channel" and tensor == "v") else fmt.scale_granularity
+    if granularity == "token":
+        return SCALE_BYTES * block_size
+    if granularity == "head":
+        return SCALE_BYTES * heads * block_size
+    return SCALE_BYTES * heads * dim  # per-channel: one scale per channel per block
+
+
+def _layer_block_bytes(shape: KVShape, fmt: KVCacheFormat, block_size: int) -> Fraction:
+    """Exact bytes of one block in one layer (codes + scales): what the storage allocates."""
+    if shape.is_mla:
+        # One latent per token; it plays the role of both K and V. Stored with k_dtype.
+        return block_size * shape.mla_latent_dim * Fraction(element_bytes(fmt.k_dtype)) + _scale_bytes_per_block_layer(
+            shape, fmt, fmt.k_dtype, block_size
+        )
+    k = shape.num_kv_heads * shape.head_dim * Fraction(element_bytes(fmt.k_dtype))
+    v = shape.num_kv_heads * shape.value_dim * Fraction(element_bytes(fmt.v_dtype))
+    scales = _scale_bytes_per_block_layer(shape, fmt, fmt.k_dtype, block_size, "k") + _scale_bytes_per_block_layer(
+        shape, fmt, fmt.v_dtype, block_size, "v"
+    )
+    return block_size * (k + v) + scales
 
 
 def kv_bytes_per_token_per_layer(
     shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16
 ) -> float:
-    """Bytes one token occupies in one layer's cache (scales included)."""
+    """Bytes one token occupies in one layer's cache (scales included; per-block scales amortised)."""
     if isinstance(fmt, str):
         fmt = KVCacheFormat.uniform(fmt)
-    if shape.is_mla:
-        # One latent per token; it plays the role of both K and V. Stored with k_dtype.
-        return shape.mla_latent_dim * element_bytes(fmt.k_dtype) + _scale_bytes_per_token_layer(
-            shape, fmt, fmt.k_dtype, block_size
-        )
-    k = shape.num_kv_heads * shape.head_dim * element_bytes(fmt.k_dtype)
-    v = shape.num_kv_heads * shape.value_dim * element_bytes(fmt.v_dtype)
-    scales = _scale_bytes_per_token_layer(shape, fmt, fmt.k_dtype, block_size) + _scale_bytes_per_token_layer(
-        shape, fmt, fmt.v_dtype, block_size
-    )
-    return k + v + scales
+    return float(_layer_block_bytes(shape, fmt, block_size) / block_size)
 
 
 def kv_bytes_per_token(shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16) -> float:
@@ -149,7 +161,9 @@ def kv_bytes_per_block(shape: KVShape, block_size: int, fmt: KVCacheFormat | str
     """Bytes of one paged block across all layers: the unit the block pool allocates."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return int(math.ceil(kv_bytes_per_token(shape, fmt, block_size) * block_size))
+    if isinstance(fmt, str):
+        fmt = KVCacheFormat.uniform(fmt)
+    return int(math.ceil(shape.num_layers * _layer_block_bytes(shape, fmt, block_size)))  # exact, no float drift
 
 
 def kv_bytes_for_sequence(
@@ -191,7 +205,7 @@ def kv_bytes_for_sequence_paged(
         raise ValueError(f"seq_len must be >= 0, got {seq_len}")
     if not shape.sliding_windows:
         return blocks_per_sequence(seq_len, block_size) * kv_bytes_per_block(shape, block_size, fmt)
-    per_layer_block = kv_bytes_per_token_per_layer(shape, fmt, block_size) * block_size
+    per_layer_block = _layer_block_bytes(shape, KVCacheFormat.uniform(fmt) if isinstance(fmt, str) else fmt, block_size)
     total = 0.0
     for layer in range(shape.num_layers):
         window = shape.window_of(layer)

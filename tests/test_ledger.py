@@ -58,7 +58,8 @@ def test_deepseek_v2_mla_latent_no_factor_two():
         (KVCacheFormat.uniform("fp8"), 2 * 8 * 128 * 1 + 2 * 4),  # per token: one scale for K, one for V
         (KVCacheFormat.uniform("fp8", "tensor"), 2 * 8 * 128),  # static scale: free per token
         (KVCacheFormat.uniform("int8", "head"), 2 * 8 * 128 + 2 * 8 * 4),  # one scale per head
-        (KVCacheFormat.uniform("int8", "channel"), 2 * 8 * 128 + 2 * 8 * 128 * 4 / 16),  # per block, amortised
+        # K: one scale per channel per block, amortised; V falls back to per-token scales (KIVI)
+        (KVCacheFormat.uniform("int8", "channel"), 2 * 8 * 128 + 8 * 128 * 4 / 16 + 4),
         (KVCacheFormat.uniform("int4"), 2 * 8 * 128 * 0.5 + 2 * 4),
         (KVCacheFormat("fp8", "float16", "token"), 8 * 128 * 1 + 4 + 8 * 128 * 2),  # K and V apart
         (KVCacheFormat("float16", "float16", "token"), 2 * 8 * 128 * 2),  # unquantized: scales ignored
