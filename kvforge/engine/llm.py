@@ -4,7 +4,6 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 from kvforge.engine.args import EngineArgs
 from kvforge.engine.engine import LLMEngine
@@ -61,18 +60,12 @@ class LLM:
         return outs
 
     def _run(self, items, params, use_tqdm, cache_salt) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
+        """Submit everything, step until every request is finished; n > 1 is native (one prefill, forked)."""
         engine = self.engine
-        groups: list[list[str]] = []
         submitted: list[str] = []
         try:
             for (prompt, ids), p in zip(items, params):
-                group = []
-                for i in range(p.n):
-                    sub = replace(p, n=1, seed=None if p.seed is None else p.seed + i)
-                    rid = engine.add_request(prompt, sub, ids, cache_salt=cache_salt)
-                    group.append(rid)
-                    submitted.append(rid)
-                groups.append(group)
+                submitted.append(engine.add_request(prompt, p, ids, cache_salt=cache_salt))
         except ValueError:
             for rid in submitted:  # bad input loses nothing: withdraw what this call queued
                 engine.abort_request(rid)
@@ -83,7 +76,7 @@ class LLM:
         try:
             while len(finals) < len(submitted):
                 for out in engine.step():
-                    tokens += len(out.outputs[0].delta_token_ids)
+                    tokens += sum(len(c.delta_token_ids) for c in out.outputs)
                     if out.finished:
                         finals[out.request_id] = out
                         if bar is not None:
@@ -98,21 +91,10 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [_merge([finals[rid] for rid in group]) for group in groups]
+        return [finals[rid] for rid in submitted]
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
-
-
-def _merge(outs: list[RequestOutput]) -> RequestOutput:
-    """Fold the n samples of one prompt into one RequestOutput with n completions."""
-    first = outs[0]
-    completions = []
-    for i, o in enumerate(outs):
-        c = o.outputs[0]
-        c.index = i
-        completions.append(c)
-    return replace(first, outputs=completions)
 
 
 def _progress(total: int, use_tqdm: bool | None):  # type: ignore[no-untyped-def]

@@ -89,14 +89,15 @@ class ModelRunner:
         for i in order:
             c = chunks[i]
             row += c.num_tokens
-            if c.samples:
-                rows.append(row - 1)
-                sampling.append(c.request)
+            if c.samples:  # a forked request's n samples draw from the same last-token logits
+                for r in (c.request, *c.forks):
+                    rows.append(row - 1)
+                    sampling.append(r)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).cpu()
         params = [r.sampling_params for r in sampling]
-        gens = [self._generator(r.request_id, r.sampling_params.seed) for r in sampling]
+        gens = [self._generator(r.request_id, r.sampling_params.seed, r.sample_index) for r in sampling]
         banned = [
             r.eos_token_ids if (r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.ignore_eos) else ()
             for r in sampling
@@ -104,12 +105,13 @@ class ModelRunner:
         results = sample(logits, params, gens, banned)
         return {r.request_id: res for r, res in zip(sampling, results)}
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+    def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
+        """Seeded requests own a generator (sample i of n uses seed + i), kept across preemption."""
         if seed is None:
             return self.default_generator
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = self.generators[request_id] = torch.Generator().manual_seed(seed)
+            gen = self.generators[request_id] = torch.Generator().manual_seed(seed + sample_index)
         return gen
 
     def release(self, request_id: str) -> None:

@@ -1,8 +1,10 @@
 """Per-request output state: incremental text, stop strings, logprobs, timings.
 
-Turns each sampled token into a RequestOutput carrying both the cumulative
+Turns each sampled token into a CompletionOutput carrying both the cumulative
 text and the delta since the last output (for streaming). Text that might be
-the start of a stop string is held back until it is disambiguated.
+the start of a stop string is held back until it is disambiguated. A request
+with n > 1 samples is a group: each step yields one RequestOutput per group
+holding the samples that advanced, and the last one carries all n completions.
 """
 from __future__ import annotations
 
@@ -17,11 +19,22 @@ from kvforge.engine.stop import StopStringMatcher
 
 
 @dataclass
-class _State:
+class _Group:
+    """What the caller's request id shares across its n samples."""
+
     prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    metrics: RequestMetrics
+    finals: dict[int, CompletionOutput]  # finished samples' last completion, by sample index
+
+
+@dataclass
+class _State:
+    """One sample's incremental text, stop matcher and logprobs."""
+
     detok: IncrementalDetokenizer | None
     stops: StopStringMatcher | None
-    metrics: RequestMetrics
     emitted_text: str = ""
     emitted_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
@@ -33,9 +46,21 @@ class _State:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
         self.tokenizer = tokenizer
-        self.states: dict[str, _State] = {}
+        self.states: dict[str, _State] = {}  # by sample (request) id
+        self.groups: dict[str, _Group] = {}  # by the caller's request id
 
     def add(self, req: Request, prompt: str | None, max_len: int) -> None:
+        self.groups[req.request_id] = _Group(
+            prompt, list(req.prompt_token_ids), req.num_seqs, RequestMetrics(req.arrival_time), {}
+        )
+        self._add_sample(req)
+
+    def fork(self, children: list[Request]) -> None:
+        """Start output state for samples 1..n-1 of a request whose prompt was just forked."""
+        for child in children:
+            self._add_sample(child)
+
+    def _add_sample(self, req: Request) -> None:
         p = req.sampling_params
         detok = (
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens)
@@ -44,19 +69,20 @@ class OutputProcessor:
         )
         stops = StopStringMatcher(p.stop_strings, p.include_stop_str_in_output) if p.stop_strings and detok is not None else None
         self.states[req.request_id] = _State(
-            prompt, detok, stops, RequestMetrics(req.arrival_time),
+            detok, stops,
             logprobs=[] if p.logprobs is not None else None,
             cumulative_logprob=0.0 if p.logprobs is not None else None,
         )
 
-    def process(self, req: Request, result: SampleResult) -> tuple[RequestOutput, bool]:
-        """Record the token `req` just got; returns its output and whether a stop string matched."""
+    def process(self, req: Request, result: SampleResult) -> tuple[CompletionOutput, bool]:
+        """Record the token sample `req` just got; returns its completion and whether a stop string matched."""
         st = self.states[req.request_id]
+        metrics = self.groups[req.group_id].metrics
         now = time.monotonic()
-        if st.metrics.first_token_time is None:
-            st.metrics.first_token_time = now
-            st.metrics.first_scheduled_time = req.first_scheduled_time
-        st.metrics.last_token_time = now
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            metrics.first_scheduled_time = req.first_scheduled_time
+        metrics.last_token_time = now
         if st.logprobs is not None and result.logprob is not None:
             top = dict(result.top_logprobs or {})
             top[result.token_id] = result.logprob
@@ -79,9 +105,32 @@ class OutputProcessor:
                     st.visible = full[: check.stop_index]
                 elif not req.is_finished:
                     st.visible = st.emitted_text + check.text
-        return self._output(req, finished=req.is_finished or stop_hit), stop_hit
+        return self._completion(req, finished=req.is_finished or stop_hit), stop_hit
 
-    def _output(self, req: Request, finished: bool) -> RequestOutput:
+    def collect(self, advanced: list[tuple[Request, CompletionOutput]]) -> list[RequestOutput]:
+        """One RequestOutput per caller request that advanced, in first-advance order.
+
+        It holds the completions that advanced this step; once every sample has finished it is
+        the final output, carrying all n completions in index order.
+        """
+        by_group: dict[str, list[CompletionOutput]] = {}
+        reqs: dict[str, Request] = {}
+        for req, completion in advanced:
+            by_group.setdefault(req.group_id, []).append(completion)
+            reqs.setdefault(req.group_id, req)
+        return [self._request_output(gid, reqs[gid], comps) for gid, comps in by_group.items()]
+
+    def _request_output(self, gid: str, req: Request, completions: list[CompletionOutput]) -> RequestOutput:
+        g = self.groups[gid]
+        finished = len(g.finals) >= g.n
+        if finished:
+            g.metrics.finished_time = time.monotonic()
+            completions = [g.finals[i] for i in sorted(g.finals)]
+            del self.groups[gid]
+        return RequestOutput(gid, g.prompt, list(g.prompt_token_ids), sorted(completions, key=lambda c: c.index),
+                             finished, req.num_cached_prompt_tokens, g.metrics)
+
+    def _completion(self, req: Request, finished: bool) -> CompletionOutput:
         st = self.states[req.request_id]
         text = st.visible
         delta = text[len(st.emitted_text):]
@@ -91,20 +140,28 @@ class OutputProcessor:
         reason = None
         if finished:
             reason = "stop" if (st.stop_text is not None or req.status.value == "stop") else req.status.value
-            st.metrics.finished_time = time.monotonic()
-            st.metrics.num_preemptions = req.num_preemptions
             self.states.pop(req.request_id, None)
         completion = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids), cumulative_logprob=st.cumulative_logprob,
-            logprobs=list(st.logprobs) if st.logprobs is not None else None, finish_reason=reason,
-            stop_reason=req.stop_reason, delta_text=delta, delta_token_ids=list(new_tokens),
+            index=req.sample_index, text=text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=st.cumulative_logprob, logprobs=list(st.logprobs) if st.logprobs is not None else None,
+            finish_reason=reason, stop_reason=req.stop_reason, delta_text=delta, delta_token_ids=list(new_tokens),
         )
-        return RequestOutput(
-            req.request_id, st.prompt, list(req.prompt_token_ids), [completion], finished,
-            req.num_cached_prompt_tokens, st.metrics,
-        )
+        if finished:
+            group = self.groups[req.group_id]
+            group.finals[req.sample_index] = completion
+            group.metrics.num_preemptions += req.num_preemptions
+        return completion
 
-    def abort(self, req: Request) -> RequestOutput | None:
-        if req.request_id not in self.states:
+    def abort(self, request_id: str, samples: list[Request]) -> RequestOutput | None:
+        """Finish the live `samples` of caller request `request_id` as aborted; its final output."""
+        if request_id not in self.groups:
             return None
-        return self._output(req, finished=True)
+        if not samples:
+            del self.groups[request_id]
+            return None
+        for req in samples:
+            if req.request_id in self.states:
+                self._completion(req, finished=True)
+        g = self.groups[request_id]
+        g.n = len(g.finals)  # samples never forked do not exist: the output holds those that did
+        return self._request_output(request_id, samples[0], [])

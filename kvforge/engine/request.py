@@ -41,12 +41,22 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # n > 1: this request is sample 0; it stands for `num_seqs` sequences until its last prompt chunk
+    # samples, when the scheduler forks it into n samples sharing its blocks (then num_seqs = 1).
+    num_seqs: int = 1
+    parent_id: str | None = None  # a forked sample's parent: the request id the caller sees
+    sample_index: int = 0
     # Token ids in order; prompt followed by outputs (kept in one list to avoid re-concatenation).
     all_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def group_id(self) -> str:
+        """The caller's request id: the parent's for a forked sample."""
+        return self.parent_id or self.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ class ScheduledChunk:
     request: Request
     start: int  # tokens already computed before this step
     num_tokens: int  # tokens computed this step
+    forks: list[Request] = field(default_factory=list)  # n > 1: samples 1..n-1, forked when this chunk samples
 
     @property
     def samples(self) -> bool:
@@ -69,6 +70,8 @@ class Scheduler:
             )
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if req.num_seqs > self.config.max_num_seqs:
+            raise ValueError(f"n={req.num_seqs} exceeds max_num_seqs={self.config.max_num_seqs}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -98,17 +101,48 @@ class Scheduler:
             i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
+        for chunk in out.chunks:
+            if chunk.samples and chunk.request.num_seqs > 1:
+                chunk.forks = self._fork(chunk.request)
         return out
 
+    def _fork(self, parent: Request) -> list[Request]:
+        """Split an n > 1 request whose prompt is now computed into n samples sharing its blocks.
+
+        Done after every allocation of the step, so no sample can be preempted before it samples.
+        """
+        assert parent.num_output_tokens == 0, "only a prompt is forked"
+        children = []
+        for i in range(1, parent.num_seqs):
+            cid = f"{parent.request_id}#{i}"
+            while cid in self.requests:  # a caller's id took the name: stay unique
+                cid += "'"
+            child = Request(
+                cid, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids, parent.cache_salt,
+                parent.arrival_time, RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens,
+                num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+                first_scheduled_time=parent.first_scheduled_time, parent_id=parent.request_id, sample_index=i,
+            )
+            self.kv.fork(parent, child)
+            self.requests[cid] = child
+            children.append(child)
+        pos = self.running.index(parent) + 1
+        self.running[pos:pos] = children
+        parent.num_seqs = 1
+        return children
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        num_seqs = sum(r.num_seqs for r in self.running)
+        while self.waiting and budget > 0 and num_seqs + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_cached, budget)
+            n = min(req.num_tokens - num_cached, budget)  # only uncached tokens cost budget
             copies = self.kv.allocate_slots(req, n, hits)
             if copies is None:
-                break
+                break  # looked up again next step; recorded only once admitted
+            self.kv.record_lookup(req, num_cached)
             self.waiting.popleft()
+            num_seqs += req.num_seqs
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = num_cached
             req.num_computed_tokens = num_cached
@@ -130,16 +164,16 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, and finish requests; returns the requests that got a token."""
         advanced = []
         for chunk in out.chunks:
-            req = chunk.request
-            if req.is_finished:  # aborted between schedule and update
-                continue
-            req.num_computed_tokens = chunk.start + chunk.num_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.append_token(token)
-            self._check_finished(req, token)
-            advanced.append(req)
+            for req in (chunk.request, *chunk.forks):
+                if req.is_finished:  # aborted between schedule and update
+                    continue
+                req.num_computed_tokens = chunk.start + chunk.num_tokens
+                token = sampled.get(req.request_id)
+                if token is None:
+                    continue
+                req.append_token(token)
+                self._check_finished(req, token)
+                advanced.append(req)
         return advanced
 
     def _check_finished(self, req: Request, token: int) -> None:

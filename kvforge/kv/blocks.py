@@ -43,6 +43,10 @@ class BlockPool:
         return len(self.free_queue)
 
     @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
@@ -120,3 +124,6 @@ class BlockPool:
         assert len(self.free_queue) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks
         for h, block in self.cached.items():
             assert block.block_hash == h and block.token_ids is not None, f"index entry {block} stale"
+        for block in self.blocks:  # a hashed block is always the indexed one: eviction cannot miss it
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, f"{block} has a hash but is not indexed"

@@ -7,33 +7,41 @@ index. Pure Python.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
 
 from kvforge.engine.request import Request
 from kvforge.kv.blocks import BlockPool, KVBlock
 from kvforge.kv.hashing import BlockHash, extend_block_hashes
 
 
-@dataclass
 class PrefixCacheStats:
-    """Token counts; preempted requests' recompute is counted apart so it cannot inflate the hit rate."""
+    """Prefix-cache lookups in tokens, recorded once per admission.
 
-    queries: int = 0
-    hits: int = 0
-    recompute_queries: int = 0
-    recompute_hits: int = 0
-    window: list[tuple[int, int]] = field(default_factory=list)  # recent (queries, hits) per request
+    Preempted requests' recompute is counted apart: re-admitting a preempted
+    request mostly hits its own freed blocks, which would inflate the rate.
+    The recent window covers the last `window_size` first admissions.
+    """
 
-    def record(self, queried: int, hit: int, recompute: bool, window_size: int = 1000) -> None:
+    def __init__(self, window_size: int = 1000) -> None:
+        self.queries = self.hits = 0
+        self.recompute_queries = self.recompute_hits = 0
+        self.window: deque[tuple[int, int]] = deque(maxlen=window_size)  # (queried, hit) per admission
+        self._window_queries = self._window_hits = 0
+
+    def record(self, queried: int, hit: int, recompute: bool) -> None:
         if recompute:
             self.recompute_queries += queried
             self.recompute_hits += hit
             return
         self.queries += queried
         self.hits += hit
+        if len(self.window) == self.window.maxlen:
+            q, h = self.window[0]
+            self._window_queries -= q
+            self._window_hits -= h
         self.window.append((queried, hit))
-        if len(self.window) > window_size:
-            del self.window[0]
+        self._window_queries += queried
+        self._window_hits += hit
 
     @property
     def hit_rate(self) -> float:
@@ -41,8 +49,12 @@ class PrefixCacheStats:
 
     @property
     def recent_hit_rate(self) -> float:
-        q = sum(x for x, _ in self.window)
-        return sum(h for _, h in self.window) / q if q else 0.0
+        return self._window_hits / self._window_queries if self._window_queries else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"queries": self.queries, "hits": self.hits, "hit_rate": self.hit_rate,
+                "recent_hit_rate": self.recent_hit_rate, "recompute_queries": self.recompute_queries,
+                "recompute_hits": self.recompute_hits}
 
 
 class KVCacheManager:
@@ -53,6 +65,7 @@ class KVCacheManager:
         self.hashes: dict[str, list[BlockHash]] = {}
         self.num_published: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self.num_cow_copies = 0  # blocks copied because a forked sample wrote into a shared partial block
 
     @property
     def enable_caching(self) -> bool:
@@ -67,7 +80,11 @@ class KVCacheManager:
         return extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra)
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """Longest run of cached full blocks at the head of `req`; the last token is always recomputed."""
+        """Longest run of cached full blocks at the head of `req`; the last token is always recomputed.
+
+        Read-only: a request that then fails to get blocks is looked up again next step, so the
+        scheduler records the lookup (`record_lookup`) only once the request is admitted.
+        """
         if not self.enable_caching:
             return [], 0
         bs = self.block_size
@@ -78,8 +95,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.record(req.num_tokens, len(hits) * bs, recompute=req.num_preemptions > 0)
         return hits, len(hits) * bs
+
+    def record_lookup(self, req: Request, num_cached: int) -> None:
+        """Count an admitted request's lookup; called once per admission, never for a failed attempt."""
+        if self.enable_caching:
+            self.stats.record(req.num_tokens, num_cached, recompute=req.num_preemptions > 0)
 
     def blocks_needed(self, req: Request, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         held = len(self.tables.get(req.request_id, ())) + num_computed_blocks
@@ -113,6 +134,7 @@ class KVCacheManager:
             self.pool.free_blocks([old])
             table[idx] = new
             copies.append((old.block_id, new.block_id))
+            self.num_cow_copies += 1
         table.extend(self.pool.get_new_blocks(num_new_blocks))
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         self.num_published.setdefault(req.request_id, len(computed_blocks))
