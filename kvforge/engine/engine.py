@@ -24,7 +24,6 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.kv.blocks import BlockPool
 from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
-from kvforge.kv.calibration import calibrate_static_scales
 from kvforge.kv.manager import KVCacheManager
 from kvforge.ledger import num_blocks_for_memory
 from kvforge.models.registry import build_model
@@ -69,9 +68,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, cache_cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cache_cfg.block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        caches = make_layer_caches(
-            cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype]
-        )
+        caches = make_layer_caches(cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device)
         self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
