@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: async engine loop, request validation, SSE streaming, metrics."""

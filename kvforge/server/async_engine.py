@@ -1,0 +1,293 @@
+"""AsyncEngine: one thread owns the synchronous LLMEngine; asyncio handlers talk to it by message.
+
+The engine is single-threaded by design, so nothing but the engine thread
+calls step/add_request/abort_request. HTTP handlers post commands into a
+thread-safe inbox, which the engine thread drains before every step; each
+step's outputs go back to the asyncio loop that asked, into one queue per API
+request (a group of n sub-requests), via `loop.call_soon_threadsafe`. A
+handler that stops listening (client gone) posts an abort, so the request's
+blocks are freed at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvforge.engine.engine import LLMEngine
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.server.metrics import ServerMetrics
+
+log = logging.getLogger("kvforge.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread hit an internal error and stopped; the server can no longer generate."""
+
+
+@dataclass
+class SubRequest:
+    """One engine request: a single sample (n=1) of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Track:
+    """Per-sub-request timing, owned by the engine thread (for the latency histograms)."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class RequestGroup:
+    """The outputs of the sub-requests of one API call, in step order, on the caller's loop."""
+
+    def __init__(self, engine: "AsyncEngine", subs: list[SubRequest]) -> None:
+        self.engine = engine
+        self.subs = subs
+        self.index = {s.request_id: i for i, s in enumerate(subs)}
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.unfinished = set(self.index)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (sub-request index, output) until every sub-request has finished."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield self.index[item.request_id], item
+
+    def abort(self) -> None:
+        """Withdraw whatever has not finished (safe to call twice, and from any coroutine)."""
+        if self.unfinished:
+            self.engine._post(("abort", list(self.unfinished)))
+            self.unfinished.clear()
+
+
+@dataclass
+class _Inbox:
+    items: deque = field(default_factory=deque)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self._inbox = _Inbox()
+        self._groups: dict[str, RequestGroup] = {}  # sub-request id -> group; engine thread only
+        self._tracks: dict[str, _Track] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.snapshot: dict[str, float] = {}
+        self._refresh_snapshot()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvforge-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._post(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ---- caller side (asyncio) ------------------------------------------------------------
+    async def submit(self, subs: list[SubRequest]) -> RequestGroup:
+        """Queue all sub-requests atomically: a ValueError for one withdraws them all."""
+        self._check_alive()
+        group = RequestGroup(self, subs)
+        done: asyncio.Future[None] = group.loop.create_future()
+        self._post(("add", group, done))
+        await done
+        return group
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread between steps (consistent reads, integrity checks)."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._post(("call", fn, fut))
+        return await fut
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
+        if self._thread is None or self._stopping:
+            raise EngineDeadError("the engine is not running")
+
+    def _post(self, cmd: tuple) -> None:
+        with self._inbox.cond:
+            self._inbox.items.append(cmd)
+            self._inbox.cond.notify()
+
+    # ---- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                self._refresh_snapshot()
+        except BaseException as exc:  # noqa: BLE001 - report to every waiter, then stop
+            log.exception("engine thread failed")
+            self.error = exc
+            self._fail_all(EngineDeadError(f"the engine stopped after an internal error: {exc!r}"))
+            return
+        self._drain_inbox(block=False)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        with self._inbox.cond:
+            if block and not self._inbox.items and not self._stopping:
+                self._inbox.cond.wait(timeout=1.0)
+            cmds = list(self._inbox.items)
+            self._inbox.items.clear()
+        for cmd in cmds:
+            kind = cmd[0]
+            if kind == "add":
+                self._add(cmd[1], cmd[2])
+            elif kind == "abort":
+                for rid in cmd[1]:
+                    self._groups.pop(rid, None)
+                    self._tracks.pop(rid, None)
+                    if self.engine.abort_request(rid):
+                        self.metrics.finished("abort")
+            elif kind == "call":
+                fut = cmd[2]
+                try:
+                    result, exc = cmd[1](self.engine), None
+                except Exception as e:  # noqa: BLE001 - handed back to the caller
+                    result, exc = None, e
+                _resolve(fut, result, exc)
+
+    def _add(self, group: RequestGroup, done: asyncio.Future) -> None:
+        added: list[str] = []
+        try:
+            if self._stopping:
+                raise EngineDeadError("the server is shutting down")
+            for s in group.subs:
+                self.engine.add_request(s.prompt, s.params, s.prompt_token_ids, request_id=s.request_id)
+                added.append(s.request_id)
+        except Exception as exc:  # noqa: BLE001 - ValueError is the user's; anything else too, for this group
+            for rid in added:  # bad input loses nothing: withdraw what this group queued
+                self.engine.abort_request(rid)
+            _resolve(done, None, exc)
+            return
+        for rid in added:
+            self._groups[rid] = group
+            self._tracks[rid] = _Track(group.arrival)
+        _resolve(done, None, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            group = self._groups.get(out.request_id)
+            track = self._tracks.get(out.request_id)
+            if group is None or track is None:
+                continue  # aborted by its caller in the meantime
+            if out.outputs[0].delta_token_ids:
+                if track.first_token is None:
+                    track.first_token = now
+                    self.metrics.ttft.observe(now - track.arrival)
+                elif track.last_token is not None:
+                    self.metrics.itl.observe(now - track.last_token)
+                track.last_token = now
+            if out.finished:
+                self._groups.pop(out.request_id, None)
+                self._tracks.pop(out.request_id, None)
+                self._observe_finished(out, track, now)
+            group._put(out)
+
+    def _observe_finished(self, out: RequestOutput, track: _Track, now: float) -> None:
+        m = self.metrics
+        m.e2e.observe(now - track.arrival)
+        n_out = len(out.outputs[0].token_ids)
+        if track.first_token is not None and n_out > 1:
+            m.tpot.observe((now - track.first_token) / (n_out - 1))
+        if out.metrics is not None and out.metrics.first_scheduled_time is not None:
+            m.queue_time.observe(max(0.0, out.metrics.first_scheduled_time - track.arrival))
+        m.finished(out.outputs[0].finish_reason or "stop")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        groups = {id(g): g for g in self._groups.values()}
+        for rid in list(self._groups):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001 - the engine may be the thing that broke
+                pass
+        self._groups.clear()
+        self._tracks.clear()
+        for g in groups.values():
+            g._put(exc)
+        with self._inbox.cond:
+            cmds = list(self._inbox.items)
+            self._inbox.items.clear()
+        for cmd in cmds:
+            if cmd[0] in ("add", "call"):
+                _resolve(cmd[2] if cmd[0] == "call" else cmd[2], None, exc)
+
+    def _refresh_snapshot(self) -> None:
+        """Gauges and engine counters as of the last step, for /metrics (read from another thread)."""
+        e = self.engine
+        stats = e.kv.stats
+        self.snapshot = {
+            "blocks_total": e.pool.num_blocks,
+            "blocks_free": e.pool.num_free_blocks,
+            "usage": e.pool.usage,
+            "running": len(e.scheduler.running),
+            "waiting": len(e.scheduler.waiting),
+            "preemptions": e.scheduler.num_preemptions,
+            "prompt_tokens": e.counters.num_prompt_tokens,
+            "generation_tokens": e.counters.num_generation_tokens,
+            "prefix_queries": stats.queries,
+            "prefix_hits": stats.hits,
+        }
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    """Complete an asyncio future from the engine thread."""
+
+    def settle() -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    try:
+        fut.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass

@@ -1,0 +1,193 @@
+"""Request validation for the OpenAI-compatible API, with OpenAI-style error bodies.
+
+Bodies arrive as untrusted JSON, so every known field is type-checked here and
+a mistake becomes an `APIError` naming the field (`param`). Unknown fields are
+ignored, as OpenAI clients send extras. Values that need the tokenizer or the
+engine (prompt length, max_tokens fit) are checked later in serving.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class APIError(Exception):
+    """An error the client caused (or must see); rendered as {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationRequest:
+    """A validated completions or chat request, before tokenization."""
+
+    kind: str  # "completion" | "chat"
+    model: str | None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions
+    messages: list[dict] | None = None  # chat
+    add_generation_prompt: bool = True
+    n: int = 1
+    max_tokens: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top-N to return per token; None = no logprobs
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
+
+
+# field -> (accepted types, rule shown in the error)
+_SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "temperature": ((int, float), "a number"),
+    "top_p": ((int, float), "a number"),
+    "top_k": ((int,), "an integer"),
+    "min_p": ((int, float), "a number"),
+    "seed": ((int,), "an integer"),
+    "min_tokens": ((int,), "an integer"),
+    "ignore_eos": ((bool,), "a boolean"),
+    "skip_special_tokens": ((bool,), "a boolean"),
+    "include_stop_str_in_output": ((bool,), "a boolean"),
+}
+
+
+def _get(body: dict, name: str, types: tuple[type, ...], rule: str, default: Any = None) -> Any:
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+    if ok and isinstance(v, float) and not math.isfinite(v):
+        ok = False
+    if not ok:
+        raise APIError(f"'{name}' must be {rule}, got {_show(v)}", param=name)
+    return v
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _common(body: dict, kind: str) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    req = GenerationRequest(kind=kind, model=_get(body, "model", (str,), "a string"))
+    req.n = _get(body, "n", (int,), "an integer", 1)
+    if req.n < 1 or req.n > 128:
+        raise APIError(f"'n' must be in [1, 128], got {req.n}", param="n")
+    req.stream = _get(body, "stream", (bool,), "a boolean", False)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not req.stream:
+            raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if not isinstance(opts, dict):
+            raise APIError(f"'stream_options' must be an object, got {_show(opts)}", param="stream_options")
+        req.include_usage = _get(opts, "include_usage", (bool,), "a boolean", False)
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise APIError(f"'stop' must be a string or a list of strings, got {_show(stop)}", param="stop")
+    if isinstance(stop, list) and len(stop) > 16:
+        raise APIError(f"'stop' may hold at most 16 strings, got {len(stop)}", param="stop")
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise APIError(f"'stop_token_ids' must be a list of integers, got {_show(ids)}", param="stop_token_ids")
+    sampling: dict[str, Any] = {"stop": stop, "stop_token_ids": ids}
+    for name, (types, rule) in _SAMPLING_FIELDS.items():
+        v = _get(body, name, types, rule)
+        if v is not None:
+            sampling[name] = v
+    req.sampling = {k: v for k, v in sampling.items() if v is not None}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = _get(body, name, (int, float), "a number")
+        if v is not None and v != (1 if name == "repetition_penalty" else 0):
+            raise APIError(f"'{name}' is not supported by kvforge (only the neutral value)", param=name)
+    if body.get("logit_bias"):
+        raise APIError("'logit_bias' is not supported by kvforge", param="logit_bias")
+    return req
+
+
+def _max_tokens(body: dict, name: str) -> int | None:
+    v = _get(body, name, (int,), "an integer")
+    if v is not None and v < 1:
+        raise APIError(f"'{name}' must be >= 1, got {v}", param=name)
+    return v
+
+
+def parse_completion_request(body: Any) -> GenerationRequest:
+    req = _common(body, "completion")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        req.prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        req.prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(
+        isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)) for p in prompt
+    ):
+        req.prompts = list(prompt)
+    else:
+        raise APIError(
+            "'prompt' must be a non-empty string, a list of token ids, or a list of those, "
+            f"got {_show(prompt)}", param="prompt",
+        )
+    if len(req.prompts) * req.n > 256:
+        raise APIError(f"{len(req.prompts)} prompts x n={req.n} exceeds 256 completions per request", param="prompt")
+    req.max_tokens = _max_tokens(body, "max_tokens")
+    if body.get("max_tokens") is None:
+        req.max_tokens = 16  # OpenAI's default for completions
+    req.logprobs = _get(body, "logprobs", (int,), "an integer")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise APIError(f"'logprobs' must be in [0, 20], got {req.logprobs}", param="logprobs")
+    if _get(body, "echo", (bool,), "a boolean", False):
+        raise APIError("'echo' is not supported by kvforge", param="echo")
+    if body.get("suffix") is not None:
+        raise APIError("'suffix' is not supported by kvforge", param="suffix")
+    best_of = _get(body, "best_of", (int,), "an integer")
+    if best_of is not None and best_of != req.n:
+        raise APIError(f"'best_of' other than n is not supported by kvforge, got {best_of}", param="best_of")
+    return req
+
+
+def parse_chat_request(body: Any) -> GenerationRequest:
+    req = _common(body, "chat")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(f"'messages' must be a non-empty list of messages, got {_show(messages)}", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"'messages[{i}]' must be an object with a string 'role'", param=f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise APIError(f"'messages[{i}].content' parts must all be {{'type': 'text', 'text': str}}",
+                               param=f"messages[{i}].content")
+            m = {**m, "content": "".join(p["text"] for p in content)}
+            messages[i] = m
+        elif not isinstance(content, str):
+            raise APIError(f"'messages[{i}].content' must be a string, got {_show(content)}", param=f"messages[{i}].content")
+    req.messages = messages
+    req.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), "a boolean", True)
+    req.max_tokens = _max_tokens(body, "max_completion_tokens")
+    if req.max_tokens is None:
+        req.max_tokens = _max_tokens(body, "max_tokens")
+    want = _get(body, "logprobs", (bool,), "a boolean", False)
+    top = _get(body, "top_logprobs", (int,), "an integer")
+    if top is not None and not want:
+        raise APIError("'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    if top is not None and not 0 <= top <= 20:
+        raise APIError(f"'top_logprobs' must be in [0, 20], got {top}", param="top_logprobs")
+    req.logprobs = (top or 0) if want else None
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise APIError(f"'{name}' (tool calling) is not supported by kvforge", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError("'response_format' other than {'type': 'text'} is not supported by kvforge", param="response_format")
+    return req
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
