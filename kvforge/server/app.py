@@ -94,7 +94,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     async def generate(request: Request, req: GenerationRequest) -> Response:
         base, subs = serving.prepare(req)
-        group = await serving.submit(subs)
+        group = await serving.submit(req, subs)
         if req.stream:
             return SSEResponse(serving.stream(req, base, subs, group), on_close=group.abort)
         task = asyncio.ensure_future(serving.complete(req, base, subs, group))

@@ -82,11 +82,11 @@ class OpenAIServing:
                            code="context_length_exceeded")
         return req.max_tokens
 
-    async def submit(self, subs: list[SubRequest]) -> RequestGroup:
+    async def submit(self, req: GenerationRequest, subs: list[SubRequest]) -> RequestGroup:
         try:
             return await self.engine.submit(subs)
-        except ValueError as exc:  # the engine's own input checks (e.g. token ids out of range)
-            raise APIError(str(exc), param=_param_of(str(exc), "prompt")) from exc
+        except ValueError as exc:  # the engine's own prompt checks (e.g. token ids out of range)
+            raise APIError(str(exc), param="messages" if req.kind == "chat" else "prompt") from exc
         except EngineDeadError as exc:
             raise APIError(str(exc), status=503, type="server_error", code="engine_unavailable") from exc
 
