@@ -41,6 +41,22 @@ FAMILIES = {
     "llama_untied": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}),
     "qwen2_bias": ("Qwen2Config", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     "mistral": ("MistralConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None}),
+    # issue 6: architectures that change what is cached
+    "mistral_swa": ("MistralConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 12}),
+    "deepseek_v2": ("DeepseekV2Config", {"num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
+                                         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                                         "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,
+                                         "num_experts_per_tok": 2, "first_k_dense_replace": 1}),
+    "deepseek_v2_yarn": ("DeepseekV2Config", {"num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 24,
+                                              "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                                              "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 2,
+                                              "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+                                              "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1,
+                                              "routed_scaling_factor": 2.0,
+                                              "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0,
+                                                                  "factor": 4.0, "original_max_position_embeddings": 32,
+                                                                  "mscale": 0.707, "mscale_all_dim": 0.707,
+                                                                  "beta_fast": 32, "beta_slow": 1}}),
 }
 
 
