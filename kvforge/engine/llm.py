@@ -4,11 +4,15 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvforge.engine.args import EngineArgs
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvforge.kv.explain import PrefixMissReport
 
 
 class LLM:
@@ -95,6 +99,19 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
+
+    def explain_prefix_miss(
+        self, prompt_a: str, prompt_b: str, cache_salt_a: str | None = None, cache_salt_b: str | None = None
+    ) -> "PrefixMissReport":
+        """Why `prompt_b` does not reuse `prompt_a`'s cached blocks: hits, first diverging token and block,
+        the text around it, and a warning when the difference looks dynamic (timestamp, UUID, whitespace)."""
+        from kvforge.kv.explain import explain
+
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; call kvforge.kv.explain.explain with token ids")
+        tok = self.tokenizer
+        return explain(tok.encode(prompt_a), tok.encode(prompt_b), self.engine.kv.block_size, tok.decode,
+                       prompt_a, prompt_b, cache_salt_a, cache_salt_b)
 
 
 def _progress(total: int, use_tqdm: bool | None):  # type: ignore[no-untyped-def]

@@ -1,0 +1,77 @@
+"""`kvforge cache explain PROMPT_A PROMPT_B`: why B misses the prefix cache A filled.
+
+Loads only the model's tokenizer (no weights), tokenizes both prompts as the
+engine would, and prints how many blocks hit, the first diverging token and
+block, the text around it, and a warning when the difference looks dynamic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from kvforge.config import CacheConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="prefix-cache tools (explain a miss)")
+    cache_sub = p.add_subparsers(dest="cache_command", metavar="SUBCOMMAND")
+    cache_sub.required = True
+    e = cache_sub.add_parser("explain", help="show where prompt B stops reusing prompt A's cached blocks")
+    e.add_argument("prompt_a", nargs="?", default=None, help="first prompt (the one already cached)")
+    e.add_argument("prompt_b", nargs="?", default=None, help="second prompt")
+    e.add_argument("--file-a", default=None, help="read prompt A from a file (for long prompts)")
+    e.add_argument("--file-b", default=None, help="read prompt B from a file")
+    e.add_argument("--model", default=None, help="HF folder or .gguf whose tokenizer to use (default SmolLM2-135M)")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--salt-a", default=None, help="cache_salt of request A")
+    e.add_argument("--salt-b", default=None, help="cache_salt of request B")
+    e.add_argument("--json", action="store_true", help="print the report as JSON")
+    e.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge.kv.explain import explain
+
+    block_size = CacheConfig(block_size=args.block_size).block_size  # validates, naming block_size
+    prompt_a = _prompt(args.prompt_a, args.file_a, "a")
+    prompt_b = _prompt(args.prompt_b, args.file_b, "b")
+    tok = load_tokenizer(args.model)
+    report = explain(tok.encode(prompt_a), tok.encode(prompt_b), block_size, tok.decode,
+                     prompt_a, prompt_b, args.salt_a, args.salt_b)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.render())
+    return 0
+
+
+def _prompt(text: str | None, path: str | None, which: str) -> str:
+    if text is not None and path is not None:
+        raise ValueError(f"give prompt {which.upper()} either as an argument or with --file-{which}, not both")
+    if path is not None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--file-{which} {path!r} does not exist")
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    if not text:
+        raise ValueError(f"prompt {which.upper()} is missing or empty (positional argument or --file-{which})")
+    return text
+
+
+def load_tokenizer(model: str | None):  # type: ignore[no-untyped-def]
+    """The tokenizer of `model` without loading its weights (HF folder, .gguf, or the default model)."""
+    from kvforge.models.loader import DEFAULT_MODEL_NAME, default_model_path
+    from kvforge.tokenizer import Tokenizer
+
+    path = default_model_path() if model in (None, DEFAULT_MODEL_NAME) else os.fspath(model)
+    if os.path.isdir(path):
+        return Tokenizer.from_dir(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(path)
+        except Exception as e:  # gguf raises ValueError / struct errors on foreign files
+            raise ValueError(f"--model {path!r} is not a readable GGUF file: {e}") from e
+        return Tokenizer.from_gguf(reader)
+    if os.path.isfile(path):
+        raise ValueError(f"--model {path!r} is a file but not a .gguf; pass a .gguf file or an HF model folder")
+    raise FileNotFoundError(f"--model {path!r} does not exist (expected an HF model folder or a .gguf file)")
