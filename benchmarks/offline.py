@@ -1,0 +1,142 @@
+"""Offline throughput and single-stream latency: kvforge vs transformers `generate`.
+
+Same model (the default SmolLM2-135M-Instruct GGUF; transformers gets the very
+same dequantized weights), same dtype, same random-token workload:
+- single stream: 128-token prompt, 128 new tokens -> TTFT and decode tokens/s
+- offline batch: 32 requests, prompt lengths U[32, 512], outputs U[32, 256],
+  ignore_eos -> output tokens/s (transformers: one left-padded batch, run to the
+  longest requested output, credited only with the requested tokens)
+
+    python benchmarks/offline.py --dtype float32 bfloat16 [--num-requests 32] [--save benchmarks/results/offline.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 512))], rng.randint(32, 256)) for _ in range(n)]
+
+
+def hf_model(dtype: str):
+    import transformers
+    from kvforge.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(None)
+    cfg = {k: v for k, v in ckpt.hf_config.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    missing, unexpected = model.load_state_dict(ckpt.weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.to(DTYPES[dtype]).eval()
+
+
+def hf_single(model, prompt: list[int], new: int) -> tuple[float, float]:
+    ids = torch.tensor([prompt])
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        total = time.perf_counter() - t
+    return ttft, (new - 1) / max(total - ttft, 1e-9)
+
+
+def hf_batch(model, work: list[tuple[list[int], int]]) -> float:
+    longest = max(len(p) for p, _ in work)
+    ids = torch.tensor([[0] * (longest - len(p)) + p for p, _ in work])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in work])
+    new = max(o for _, o in work)
+    with torch.no_grad():
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+        elapsed = time.perf_counter() - t
+    return sum(o for _, o in work) / elapsed
+
+
+def kv_single(llm, prompt: list[int], new: int) -> tuple[float, float]:
+    from kvforge import SamplingParams
+
+    engine = llm.engine
+    rid = engine.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    t = time.perf_counter()
+    first = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.request_id == rid:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return first - t, (new - 1) / max(end - first, 1e-9)
+
+
+def kv_batch(llm, work: list[tuple[list[int], int]]) -> float:
+    from kvforge import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
+    t = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=[p for p, _ in work], sampling_params=params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == sum(o for _, o in work)
+    return sum(o for _, o in work) / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--save", default="benchmarks/results/offline.json")
+    args = ap.parse_args()
+    from kvforge import LLM
+
+    rows = []
+    for dtype in args.dtype:
+        llm = LLM(model=None, dtype=dtype, max_model_len=1024, log_ledger=False)
+        work = workload(args.num_requests, args.seed, llm.engine.model_config.vocab_size)
+        prompt = work[0][0][:128] if len(work[0][0]) >= 128 else (work[0][0] * 4)[:128]
+        kv_single(llm, prompt[:16], 4)  # warm-up
+        ttft, dec = kv_single(llm, prompt, 128)
+        thr = kv_batch(llm, work)
+        rows.append({"engine": "kvforge", "dtype": dtype, "ttft_ms": ttft * 1e3, "decode_tok_s": dec, "batch_tok_s": thr})
+        del llm
+        if not args.skip_transformers:
+            model = hf_model(dtype)
+            hf_single(model, prompt[:16], 4)
+            ttft, dec = hf_single(model, prompt, 128)
+            thr = hf_batch(model, work)
+            rows.append({"engine": "transformers", "dtype": dtype, "ttft_ms": ttft * 1e3, "decode_tok_s": dec, "batch_tok_s": thr})
+            del model
+        print_table(rows)
+    if args.save:
+        os.makedirs(os.path.dirname(args.save), exist_ok=True)
+        with open(args.save, "w") as f:
+            json.dump({"num_requests": args.num_requests, "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'engine':<13} {'dtype':<9} {'TTFT ms':>9} {'decode tok/s':>13} {'batch out tok/s':>16}")
+    for r in rows:
+        print(f"{r['engine']:<13} {r['dtype']:<9} {r['ttft_ms']:>9.1f} {r['decode_tok_s']:>13.1f} {r['batch_tok_s']:>16.1f}")
+    by = {(r["engine"], r["dtype"]): r for r in rows}
+    for dtype in sorted({r["dtype"] for r in rows}):
+        if ("transformers", dtype) in by:
+            k, h = by[("kvforge", dtype)], by[("transformers", dtype)]
+            print(f"{dtype}: batch speed-up {k['batch_tok_s'] / h['batch_tok_s']:.2f}x, "
+                  f"decode speed-up {k['decode_tok_s'] / h['decode_tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
