@@ -66,7 +66,7 @@ class LLMEngine:
         max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
         self.pool = BlockPool(num_blocks, cache_cfg.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, cache_cfg.block_size)
+        self.kv = KVCacheManager(self.pool, cache_cfg.block_size, sliding_window=cfg.block_free_window)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         caches = make_layer_caches(cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device)
         self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed)

@@ -40,7 +40,7 @@ def make_layer_caches(
     if shape.is_mla:  # MLA caches one latent per token (c_kv + shared rope key), not K/V per head
         rank = int(cfg.extra["kv_lora_rank"])
         return [
-            LatentKVCache(num_blocks, block_size, rank, shape.mla_latent_dim - rank, dtype, device)
+            LatentKVCache(num_blocks, block_size, rank, shape.mla_latent_dim - rank, dtype, device, compute_dtype)
             for _ in range(cfg.num_layers)
         ]
     return [

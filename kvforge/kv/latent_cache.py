@@ -7,7 +7,7 @@ head's key and value are linear images of the compressed `c_kv` (after
 against 2 x 128 heads x 128 dims = 32768 for the MHA it replaces).
 
 The layout is `[num_blocks, block_size, kv_lora_rank + rope_dim]`, latent first,
-rope part last, in the compute dtype. It does not offer `write(k, v)` /
+rope part last, in the cache dtype (read back in the model's dtype). It does not offer `write(k, v)` /
 `gather -> (k, v)`: there is no K/V to store. MLA attention
 (`kvforge.attention.mla`) calls `write_latent` / `gather_latent` instead and
 shares the rest of the machinery (block tables, slot mapping, copy-on-write).
@@ -22,12 +22,13 @@ class LatentKVCache:
 
     def __init__(
         self, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
-        dtype: torch.dtype, device: torch.device | str = "cpu",
+        dtype: torch.dtype, device: torch.device | str = "cpu", compute_dtype: torch.dtype | None = None,
     ) -> None:
         if kv_lora_rank <= 0 or rope_dim <= 0:
             raise ValueError(f"kv_lora_rank and qk_rope_head_dim must be positive, got {kv_lora_rank}, {rope_dim}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        self.compute_dtype = compute_dtype or dtype  # what attention reads back (the model's dtype)
         self.latent = torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim, dtype=dtype, device=device)
 
     @property
@@ -42,7 +43,7 @@ class LatentKVCache:
     def gather_latent(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, nb] block ids -> (c_kv [B, nb*block_size, kv_lora_rank], k_rope [B, nb*block_size, rope_dim])."""
         b, nb = block_tables.shape
-        flat = self.latent[block_tables].view(b, nb * self.block_size, self.latent_dim)
+        flat = self.latent[block_tables].view(b, nb * self.block_size, self.latent_dim).to(self.compute_dtype)
         return flat[..., : self.kv_lora_rank], flat[..., self.kv_lora_rank :]
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -57,10 +57,16 @@ class PrefixCacheStats:
                 "recompute_hits": self.recompute_hits}
 
 
+# Stands in a table for a block returned to the pool because it fell out of every layer's sliding
+# window: logical indices keep working, its id (0) is only ever read under the window mask.
+WINDOW_FREED = KVBlock(0)
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.sliding_window = sliding_window  # set only when every layer is windowed (ModelConfig.block_free_window)
         self.tables: dict[str, list[KVBlock]] = {}
         self.hashes: dict[str, list[BlockHash]] = {}
         self.num_published: dict[str, int] = {}
@@ -116,6 +122,7 @@ class KVCacheManager:
         """
         computed_blocks = computed_blocks or []
         table = self.tables.setdefault(req.request_id, [])
+        self._free_blocks_outside_window(req, table)  # dead whatever happens next: no future query sees them
         num_new_blocks = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
         cow = self._needs_copy_on_write(req, table, num_new_tokens)
         # Hit blocks sitting in the free queue stop being free once touched.
@@ -141,6 +148,32 @@ class KVCacheManager:
         self._publish_full_blocks(req, (num_computed + num_new_tokens) // self.block_size)
         return copies
 
+    def _free_blocks_outside_window(self, req: Request, table: list[KVBlock]) -> None:
+        """Return blocks wholly before every future query's window to the pool, keeping their table slots.
+
+        The next query is at position num_computed_tokens and sees positions > q - window, so blocks
+        ending before num_computed_tokens - window are dead. Freed blocks keep their hash (prefix
+        hits stay possible; a hit always starts from the chain head, never from a placeholder), and only
+        published blocks are freed so publishing never meets a placeholder. A long request thus holds
+        O(window / block_size) blocks.
+        """
+        if self.sliding_window is None:
+            return
+        n = max(0, req.num_computed_tokens - self.sliding_window) // self.block_size
+        if self.enable_caching:
+            n = min(n, self.num_published.get(req.request_id, 0))
+        i = min(n, len(table))
+        while i > 0 and table[i - 1] is not WINDOW_FREED:  # freed blocks form a prefix: scan back to it
+            i -= 1
+        dead = table[i:n]
+        if dead:
+            table[i:n] = [WINDOW_FREED] * len(dead)
+            self.pool.free_blocks(dead)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks `request_id` really holds (window-freed slots excluded)."""
+        return sum(1 for b in self.tables.get(request_id, ()) if b is not WINDOW_FREED)
+
     def _needs_copy_on_write(self, req: Request, table: list[KVBlock], num_new_tokens: int) -> bool:
         """True when this step writes into a partly filled block that another table shares."""
         if num_new_tokens == 0 or req.num_computed_tokens % self.block_size == 0:
@@ -163,7 +196,7 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """`child` shares every block of `parent` (ref counts rise); writes copy on demand."""
         table = self.tables.get(parent.request_id, [])
-        self.pool.touch(table)
+        self.pool.touch(b for b in table if b is not WINDOW_FREED)
         self.tables[child.request_id] = list(table)
         self.hashes[child.request_id] = list(self.hashes.get(parent.request_id, []))
         self.num_published[child.request_id] = self.num_published.get(parent.request_id, 0)
@@ -171,7 +204,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release `req`'s blocks tail-first, so a chain's tail is evicted before its head."""
         table = self.tables.pop(req.request_id, [])
-        self.pool.free_blocks(reversed(table))
+        self.pool.free_blocks(b for b in reversed(table) if b is not WINDOW_FREED)
         self.hashes.pop(req.request_id, None)
         self.num_published.pop(req.request_id, None)
 
@@ -179,4 +212,4 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self.tables.values())
+        self.pool.check_integrity([b for b in t if b is not WINDOW_FREED] for t in self.tables.values())
