@@ -183,3 +183,31 @@ def test_api_key_from_environment(monkeypatch):
     assert resolve_api_key("flag") == "flag"
     monkeypatch.setenv(ENV_VAR, "")
     assert resolve_api_key(None) is None
+
+
+def test_engine_failure_answers_503_and_frees_blocks(model_dir):
+    srv = start_server(model_dir)
+    engine = srv.async_engine.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_step():  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated device fault")
+        return real_step()
+
+    engine.step = failing_step  # type: ignore[method-assign]
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            r = http.post("/v1/completions", json={**OK_COMPLETION, "max_tokens": 50, "ignore_eos": True})
+            err = _expect(r, 503, None, "simulated device fault")
+            assert err["type"] == "server_error"
+            assert http.get("/health").status_code == 503
+            _expect(http.post("/v1/completions", json=OK_COMPLETION), 503, None, "engine")
+        srv.async_engine._thread.join(5)  # type: ignore[union-attr]
+        assert not srv.async_engine.alive
+        engine.check_integrity()  # the engine thread is gone, so reading it here is safe
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    finally:
+        srv.stop()

@@ -15,30 +15,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.sampling_params import SamplingParams
 from kvforge.server.metrics import ServerMetrics
+from kvforge.server.request_group import EngineDeadError, RequestGroup, SubRequest, resolve_future
 
 log = logging.getLogger("kvforge.server")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread hit an internal error and stopped; the server can no longer generate."""
-
-
-@dataclass
-class SubRequest:
-    """One engine request: a single sample (n=1) of one prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 @dataclass
@@ -48,42 +34,6 @@ class _Track:
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
-
-
-class RequestGroup:
-    """The outputs of the sub-requests of one API call, in step order, on the caller's loop."""
-
-    def __init__(self, engine: "AsyncEngine", subs: list[SubRequest]) -> None:
-        self.engine = engine
-        self.subs = subs
-        self.index = {s.request_id: i for i, s in enumerate(subs)}
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.arrival = time.monotonic()
-        self.unfinished = set(self.index)
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        """Called from the engine thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (sub-request index, output) until every sub-request has finished."""
-        while self.unfinished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.unfinished.discard(item.request_id)
-            yield self.index[item.request_id], item
-
-    def abort(self) -> None:
-        """Withdraw whatever has not finished (safe to call twice, and from any coroutine)."""
-        if self.unfinished:
-            self.engine._post(("abort", list(self.unfinished)))
-            self.unfinished.clear()
 
 
 @dataclass
@@ -141,6 +91,10 @@ class AsyncEngine:
         self._post(("call", fn, fut))
         return await fut
 
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the engine thread to abort these sub-requests before its next step (frees their blocks)."""
+        self._post(("abort", list(request_ids)))
+
     def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an internal error: {self.error!r}")
@@ -190,7 +144,7 @@ class AsyncEngine:
                     result, exc = cmd[1](self.engine), None
                 except Exception as e:  # noqa: BLE001 - handed back to the caller
                     result, exc = None, e
-                _resolve(fut, result, exc)
+                resolve_future(fut, result, exc)
 
     def _add(self, group: RequestGroup, done: asyncio.Future) -> None:
         added: list[str] = []
@@ -203,12 +157,12 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 - ValueError is the user's; anything else too, for this group
             for rid in added:  # bad input loses nothing: withdraw what this group queued
                 self.engine.abort_request(rid)
-            _resolve(done, None, exc)
+            resolve_future(done, None, exc)
             return
         for rid in added:
             self._groups[rid] = group
             self._tracks[rid] = _Track(group.arrival)
-        _resolve(done, None, None)
+        resolve_future(done, None, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -255,8 +209,8 @@ class AsyncEngine:
             cmds = list(self._inbox.items)
             self._inbox.items.clear()
         for cmd in cmds:
-            if cmd[0] in ("add", "call"):
-                _resolve(cmd[2] if cmd[0] == "call" else cmd[2], None, exc)
+            if cmd[0] in ("add", "call"):  # both carry the caller's future third
+                resolve_future(cmd[2], None, exc)
 
     def _refresh_snapshot(self) -> None:
         """Gauges and engine counters as of the last step, for /metrics (read from another thread)."""
@@ -274,20 +228,3 @@ class AsyncEngine:
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
         }
-
-
-def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    """Complete an asyncio future from the engine thread."""
-
-    def settle() -> None:
-        if fut.done():
-            return
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    try:
-        fut.get_loop().call_soon_threadsafe(settle)
-    except RuntimeError:
-        pass

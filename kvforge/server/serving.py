@@ -15,9 +15,10 @@ import jinja2
 
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup, SubRequest
+from kvforge.server.async_engine import AsyncEngine
 from kvforge.server.logprobs import chat_logprobs, completion_logprobs
 from kvforge.server.protocol import APIError, GenerationRequest
+from kvforge.server.request_group import EngineDeadError, RequestGroup, SubRequest
 
 
 class OpenAIServing:

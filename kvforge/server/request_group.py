@@ -1,0 +1,85 @@
+"""What one API call waits on: its sub-requests' outputs, delivered by the engine thread.
+
+Kept apart from the engine loop so the asyncio side (queue, iteration, abort)
+reads on its own; every method here except `_put` runs on the caller's loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvforge.server.async_engine import AsyncEngine
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread hit an internal error and stopped; the server can no longer generate."""
+
+
+@dataclass
+class SubRequest:
+    """One engine request: a single sample (n=1) of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class RequestGroup:
+    """The outputs of the sub-requests of one API call, in step order, on the caller's loop."""
+
+    def __init__(self, engine: "AsyncEngine", subs: list[SubRequest]) -> None:
+        self.engine = engine
+        self.subs = subs
+        self.index = {s.request_id: i for i, s in enumerate(subs)}
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.unfinished = set(self.index)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            pass
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (sub-request index, output) until every sub-request has finished."""
+        while self.unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield self.index[item.request_id], item
+
+    def abort(self) -> None:
+        """Withdraw whatever has not finished (safe to call twice, and from any coroutine)."""
+        if self.unfinished:
+            self.engine.abort(list(self.unfinished))
+            self.unfinished.clear()
+
+
+def resolve_future(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    """Complete an asyncio future from the engine thread."""
+
+    def settle() -> None:
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    try:
+        fut.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass
