@@ -27,10 +27,11 @@ def _llm(path: str, **kwargs) -> LLM:
     return LLM(model=path, log_ledger=False, **kwargs)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "torch"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_batch_and_logits_match_transformers(tiny_model_factory, family):
+def test_greedy_batch_and_logits_match_transformers(tiny_model_factory, family, backend):
     path, hf = tiny_model_factory(family)
-    llm = _llm(path)
+    llm = _llm(path, attention_backend=backend)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == _reference(hf)
     assert [o.prompt_token_ids for o in outs] == PROMPTS

@@ -27,6 +27,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
+    backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "auto" (sdpa where it applies)
 
     @property
     def max_decode_len(self) -> int:

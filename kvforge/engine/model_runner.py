@@ -18,9 +18,11 @@ from kvforge.kv.manager import KVCacheManager
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, caches: list[LayerKVCache], kv: KVCacheManager, device: torch.device, seed: int = 0
+        self, model: torch.nn.Module, caches: list[LayerKVCache], kv: KVCacheManager, device: torch.device, seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         self.model, self.caches, self.kv = model, caches, kv
+        self.attention_backend = attention_backend
         self.block_size = kv.block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
@@ -69,6 +71,7 @@ class ModelRunner:
             decode_block_tables=dec_tables.to(dev),
             decode_seq_lens=seq_lens.to(dev),
             prefills=[PrefillChunk(p.rows, p.start, p.seq_len, p.block_table.to(dev)) for p in meta_prefills],
+            backend=self.attention_backend,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         return input_ids, torch.cat(positions).to(dev), meta, decodes + prefills

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.attention.torch_ref import paged_attention
+from kvforge.attention import paged_attention
 from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import LayerKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
