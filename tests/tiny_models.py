@@ -57,6 +57,22 @@ FAMILIES = {
                                                                   "factor": 4.0, "original_max_position_embeddings": 32,
                                                                   "mscale": 0.707, "mscale_all_dim": 0.707,
                                                                   "beta_fast": 32, "beta_slow": 1}}),
+    "gemma2": ("Gemma2Config", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
+                                "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+                                "final_logit_softcapping": 10.0, "num_hidden_layers": 3,
+                                "tie_word_embeddings": False}),
+    "gemma3": ("Gemma3TextConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                    "sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24,
+                                    "num_hidden_layers": 3, "max_position_embeddings": 512,
+                                    "tie_word_embeddings": False}),
+    "gemma3_linear": ("Gemma3TextConfig", {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+                                           "sliding_window": 6, "sliding_window_pattern": 3, "num_hidden_layers": 3,
+                                           "query_pre_attn_scalar": 16, "max_position_embeddings": 512,
+                                           "rope_parameters": {
+                                               "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1000000.0},
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+                                           "tie_word_embeddings": False}),
 }
 
 

@@ -5,6 +5,7 @@ from torch import nn
 
 from kvforge.config import ModelConfig
 from kvforge.models.deepseek_v2 import DeepseekV2ForCausalLM
+from kvforge.models.gemma import GemmaForCausalLM
 from kvforge.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -13,6 +14,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
