@@ -11,7 +11,9 @@ from typing import Any
 from kvforge.ledger import KVCacheFormat, KVShape, parse_bytes
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # "fp8" is an alias of fp8_e4m3
+KV_CACHE_SCALES = ("token", "head", "channel", "tensor")  # channel: K only, V falls back to token
 
 
 @dataclass(slots=True)
@@ -133,8 +135,17 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    k_cache_dtype: str | None = None  # overrides kv_cache_dtype for K alone (None: kv_cache_dtype)
+    v_cache_dtype: str | None = None  # ... and for V alone, e.g. K "auto" + V "fp8"
+    kv_cache_scale: str = "token"  # scale granularity of quantized K/V
 
     def __post_init__(self) -> None:
+        for name in ("k_cache_dtype", "v_cache_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in KV_CACHE_DTYPES:
+                raise ValueError(f"{name} must be one of {KV_CACHE_DTYPES}, got {value!r}")
+        if self.kv_cache_scale not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
@@ -145,8 +156,15 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     def cache_format(self, model_dtype: str) -> KVCacheFormat:
-        dtype = model_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        return KVCacheFormat.uniform(dtype)
+        """K and V storage dtypes ("auto" = the model's) and, when either is quantized, the scale granularity."""
+
+        def resolve(name: str | None) -> str:
+            name = name or self.kv_cache_dtype
+            return model_dtype if name == "auto" else ("fp8_e4m3" if name == "fp8" else name)
+
+        k, v = resolve(self.k_cache_dtype), resolve(self.v_cache_dtype)
+        quantized = k in KV_QUANTIZED_DTYPES or v in KV_QUANTIZED_DTYPES
+        return KVCacheFormat(k, v, self.kv_cache_scale if quantized else None)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, fields
 
-from kvforge.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES, CacheConfig
+from kvforge.config import KV_CACHE_DTYPES, KV_CACHE_SCALES, SUPPORTED_DTYPES, CacheConfig
 from kvforge.ledger import parse_bytes
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
@@ -18,7 +18,10 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (model dtype), float16, bfloat16, float32, fp8 (= fp8_e4m3), fp8_e5m2, int8, int4
+    k_cache_dtype: str | None = None  # K alone (None: kv_cache_dtype), e.g. "auto" to keep K in the model dtype
+    v_cache_dtype: str | None = None  # V alone (None: kv_cache_dtype)
+    kv_cache_scale: str = "token"  # quantization scales: token, head, channel (K only), tensor (static, calibrated)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -41,13 +44,16 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        self.cache_config()  # validates block_size, num_kv_blocks, kv_cache_dtype
+        self.cache_config()  # validates block_size, num_kv_blocks, kv_cache_dtype, k/v_cache_dtype, kv_cache_scale
 
     def cache_config(self) -> CacheConfig:
         memory = self.kv_cache_memory
         if memory is None and self.num_kv_blocks is None:
             memory = DEFAULT_KV_CACHE_MEMORY
-        return CacheConfig(self.block_size, memory, self.num_kv_blocks, self.kv_cache_dtype, self.enable_prefix_caching)
+        return CacheConfig(
+            self.block_size, memory, self.num_kv_blocks, self.kv_cache_dtype, self.enable_prefix_caching,
+            self.k_cache_dtype, self.v_cache_dtype, self.kv_cache_scale,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,7 +68,12 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default 1GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="K and V storage: auto (model dtype), 16/32-bit floats, fp8 (e4m3), fp8_e5m2, int8, int4")
+    g.add_argument("--k-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="K alone (overrides --kv-cache-dtype)")
+    g.add_argument("--v-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="V alone (overrides --kv-cache-dtype)")
+    g.add_argument("--kv-cache-scale", default="token", choices=KV_CACHE_SCALES,
+                   help="quantization scales: per token, per head, per channel (K only, per block), per tensor (static)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)

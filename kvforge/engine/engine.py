@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,6 +24,7 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.kv.blocks import BlockPool
 from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
+from kvforge.kv.calibration import calibrate_static_scales
 from kvforge.kv.manager import KVCacheManager
 from kvforge.ledger import num_blocks_for_memory
 from kvforge.models.registry import build_model
@@ -68,7 +69,9 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, cache_cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, cache_cfg.block_size, sliding_window=cfg.block_free_window)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        caches = make_layer_caches(cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device)
+        caches = make_layer_caches(
+            cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype]
+        )
         self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
@@ -79,6 +82,15 @@ class LLMEngine:
         )
         if args.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
+        calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
+
+    def reconfigure_kv_cache(self, **changes: object) -> None:
+        """Rebuild pool, manager, scheduler and runner with changed EngineArgs (e.g. kv_cache_dtype), keeping the
+        loaded weights: how `kvforge eval kv-quant` compares cache formats without reloading the model."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot reconfigure the KV cache while requests are running")
+        self.args = replace(self.args, **changes)  # type: ignore[arg-type]
+        self._init_cache_and_scheduler()
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
