@@ -1,0 +1,1 @@
+"""Quality evaluations run by `kvforge eval`."""

@@ -1,0 +1,226 @@
+"""`kvforge eval kv-quant`: what each KV-cache format costs in quality, and what it buys in capacity.
+
+One engine is loaded once; for each cache variant (K dtype, V dtype, scale
+granularity) the KV pool is rebuilt around the same weights
+(`LLMEngine.reconfigure_kv_cache`) and measured on real English text: CPython's
+own documentation (`pydoc_data.topics`), so the numbers are reproducible offline.
+
+- perplexity at each context length: one or more windows of L tokens scored
+  through `engine.prompt_logits`, the paged path, whose attention writes the
+  window's K/V into the (quantized) cache and reads them back;
+- KL(P_unquantized || P_variant) of the next-token distribution, averaged over
+  every scored position of every window;
+- greedy agreement on `num_prompts` prompts (the head of different topics),
+  `gen_tokens` tokens each: "step agreement" is the share of the unquantized
+  run's greedy tokens that the variant also ranks first given the same history
+  (teacher-forced, so one early flip does not void the rest), and "same prefix"
+  is how far the variant's own free-running greedy output (the decode path)
+  matches the unquantized output before the first difference;
+- capacity from the ledger: bytes per token and the blocks and full-length
+  sequences a fixed KV memory holds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvforge.engine.sampling_params import SamplingParams
+from kvforge.ledger import KVCacheFormat, kv_bytes_per_token, max_concurrency, num_blocks_for_memory
+
+DEFAULT_VARIANTS = (
+    "auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3@tensor", "int8", "int8@head", "int8@channel",
+    "int8@tensor", "int4", "int4@head", "int4@channel", "auto/fp8_e4m3", "auto/int4",
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row: `KDTYPE[/VDTYPE][@SCALE]`, e.g. `fp8_e4m3`, `int4@channel`, `auto/int4` (K auto, V int4)."""
+
+    spec: str
+    k_cache_dtype: str
+    v_cache_dtype: str
+    kv_cache_scale: str
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        from kvforge.config import KV_CACHE_DTYPES, KV_CACHE_SCALES
+
+        body, _, scale = spec.strip().partition("@")
+        names = body.split("/")
+        if len(names) > 2 or not all(n in KV_CACHE_DTYPES for n in names):
+            raise ValueError(f"--formats item {spec!r}: expected KDTYPE[/VDTYPE][@SCALE] with dtypes from {KV_CACHE_DTYPES}")
+        if scale and scale not in KV_CACHE_SCALES:
+            raise ValueError(f"--formats item {spec!r}: scale must be one of {KV_CACHE_SCALES}")
+        return cls(spec.strip(), names[0], names[-1], scale or "token")
+
+    def engine_changes(self) -> dict[str, str]:
+        return {"kv_cache_dtype": "auto", "k_cache_dtype": self.k_cache_dtype,
+                "v_cache_dtype": self.v_cache_dtype, "kv_cache_scale": self.kv_cache_scale}
+
+
+@dataclass
+class EvalOptions:
+    contexts: tuple[int, ...] = (256, 1024, 2048)
+    windows: int = 1  # windows of text scored per context length
+    num_prompts: int = 20
+    prompt_tokens: int = 32
+    gen_tokens: int = 128
+    capacity_memory: int = 1 << 30  # KV memory the capacity columns are priced at
+    capacity_seq_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("windows", "num_prompts", "prompt_tokens", "gen_tokens", "capacity_seq_len"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not self.contexts or any(not isinstance(c, int) or c < 2 for c in self.contexts):
+            raise ValueError(f"contexts must be integers >= 2, got {self.contexts!r}")
+
+
+@dataclass
+class RowResult:
+    spec: str
+    k_dtype: str
+    v_dtype: str
+    scale: str | None
+    bytes_per_token: float
+    blocks: int  # blocks in options.capacity_memory
+    sequences: int  # full capacity_seq_len sequences in options.capacity_memory
+    perplexity: dict[int, float] = field(default_factory=dict)
+    kl: float = 0.0
+    step_agreement: float = 1.0
+    same_prefix: float = 1.0  # mean fraction of gen_tokens before the first difference
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["perplexity"] = {str(k): v for k, v in self.perplexity.items()}
+        return d
+
+
+def corpus_token_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of CPython's documentation topics (sorted by name), as one text."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    chars = max(4 * num_tokens, 4096)
+    while True:
+        ids = tokenizer.encode(text[:chars], add_special_tokens=False)
+        if len(ids) >= num_tokens or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < num_tokens:
+        raise ValueError(f"contexts x windows need {num_tokens} tokens; the documentation text has {len(ids)}")
+    return ids[:num_tokens]
+
+
+def prompt_token_ids(tokenizer, num_prompts: int, prompt_tokens: int) -> list[list[int]]:
+    """The head of `num_prompts` topics spread evenly over the sorted topic names."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    if num_prompts > len(names):
+        raise ValueError(f"num_prompts must be <= {len(names)} (one topic each), got {num_prompts}")
+    picks = [names[(i * len(names)) // num_prompts] for i in range(num_prompts)]
+    return [tokenizer.encode(topics[n][: 8 * prompt_tokens], add_special_tokens=False)[:prompt_tokens] for n in picks]
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _nll_sum(logp: torch.Tensor, ids: list[int]) -> float:
+    target = torch.tensor(ids[1:])
+    return -float(logp[:-1].gather(1, target[:, None]).sum())
+
+
+def _kl_sum(base: torch.Tensor, other: torch.Tensor, rows: int = 256) -> float:
+    """Sum over positions of KL(base || other), both log-probabilities; chunked to bound memory."""
+    total = 0.0
+    for i in range(0, base.shape[0], rows):
+        b, o = base[i : i + rows], other[i : i + rows]
+        total += float((b.exp() * (b - o)).sum())
+    return total
+
+
+class KVQuantEval:
+    """Runs the measurements for each variant on one loaded engine; `auto` is the reference."""
+
+    def __init__(self, engine, options: EvalOptions) -> None:
+        self.engine, self.opts = engine, options
+        tok = engine.tokenizer
+        if tok is None:
+            raise ValueError("kvforge eval kv-quant needs a model with a tokenizer")
+        need = max(options.contexts) * options.windows
+        max_len = engine.scheduler_config.max_model_len
+        if max(options.contexts) > max_len:
+            raise ValueError(f"contexts: {max(options.contexts)} exceeds the model's max_model_len {max_len}")
+        self.corpus = corpus_token_ids(tok, need)
+        self.windows = {c: [self.corpus[w * c : (w + 1) * c] for w in range(options.windows)] for c in options.contexts}
+        self.prompts = prompt_token_ids(tok, options.num_prompts, options.prompt_tokens)
+        self.greedy = SamplingParams(temperature=0, max_tokens=options.gen_tokens, ignore_eos=True)
+        self.base_logp: dict[tuple[int, int], torch.Tensor] = {}
+        self.base_outputs: list[list[int]] = []
+
+    def _generate(self) -> list[list[int]]:
+        eng = self.engine
+        ids = [eng.add_request(None, self.greedy, p) for p in self.prompts]
+        done: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        return [done[i] for i in ids]
+
+    def run_variant(self, variant: Variant) -> RowResult:
+        eng, opts = self.engine, self.opts
+        eng.reconfigure_kv_cache(**variant.engine_changes())
+        fmt: KVCacheFormat = eng.cache_format
+        shape, bs = eng.model_config.kv_shape(), eng.kv.block_size
+        row = RowResult(
+            variant.spec, fmt.k_dtype, fmt.v_dtype, fmt.scale_granularity,
+            kv_bytes_per_token(shape, fmt, bs), num_blocks_for_memory(opts.capacity_memory, shape, bs, fmt),
+            max_concurrency(opts.capacity_memory, shape, opts.capacity_seq_len, fmt, bs),
+        )
+        reference = not self.base_logp
+        kl_total, kl_count = 0.0, 0
+        for c, windows in self.windows.items():
+            nll, n = 0.0, 0
+            for w, ids in enumerate(windows):
+                logp = _log_probs(eng.prompt_logits(ids))
+                nll, n = nll + _nll_sum(logp, ids), n + len(ids) - 1
+                if reference:
+                    self.base_logp[(c, w)] = logp
+                else:
+                    kl_total += _kl_sum(self.base_logp[(c, w)], logp)
+                    kl_count += logp.shape[0]
+            row.perplexity[c] = math.exp(nll / n)
+        row.kl = kl_total / kl_count if kl_count else 0.0
+        outputs = self._generate()
+        if reference:
+            self.base_outputs = outputs
+            return row
+        agree, prefix = 0, 0.0
+        for prompt, base, mine in zip(self.prompts, self.base_outputs, outputs):
+            logits = eng.prompt_logits(prompt + base[:-1])  # teacher-forced along the reference greedy path
+            picks = logits[len(prompt) - 1 :].argmax(dim=-1).tolist()
+            agree += sum(int(a == b) for a, b in zip(picks, base))
+            first = next((i for i, (a, b) in enumerate(zip(mine, base)) if a != b), len(base))
+            prefix += first / len(base)
+        row.step_agreement = agree / (len(self.prompts) * opts.gen_tokens)
+        row.same_prefix = prefix / len(self.prompts)
+        return row
+
+
+def run_kv_quant_eval(engine, variants: list[Variant], options: EvalOptions, progress=None) -> list[RowResult]:
+    """Measure every variant; the unquantized ("auto") reference runs first and is always included."""
+    ev = KVQuantEval(engine, options)
+    specs = [Variant.parse("auto")] + [v for v in variants if (v.k_cache_dtype, v.v_cache_dtype) != ("auto", "auto")]
+    rows = []
+    for v in specs:
+        rows.append(ev.run_variant(v))
+        if progress is not None:
+            progress(rows[-1])
+    engine.check_integrity()
+    return rows

@@ -1,0 +1,77 @@
+"""Presenting `kvforge eval kv-quant` results: a text table, JSON, and an optional plot."""
+from __future__ import annotations
+
+from kvforge.evaluation.kv_quant import EvalOptions, RowResult
+from kvforge.ledger import format_bytes
+
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
+
+
+def storage_label(row: RowResult) -> str:
+    k, v = _SHORT.get(row.k_dtype, row.k_dtype), _SHORT.get(row.v_dtype, row.v_dtype)
+    name = k if k == v else f"K {k} / V {v}"
+    if row.scale is not None:
+        scale = "K chan, V tok" if row.scale == "channel" else row.scale
+        name += f" @{scale}"
+    return name
+
+
+def render_table(rows: list[RowResult], opts: EvalOptions, model: str) -> str:
+    ref = rows[0]
+    contexts = sorted(ref.perplexity)
+    head = ["cache (K/V @scales)", "B/token"] + [f"ppl@{c}" for c in contexts] + [
+        "KL vs ref", "step agree", "same prefix", f"seqs@{opts.capacity_seq_len}", "x ref"]
+    body = []
+    for r in rows:
+        body.append([storage_label(r), format_bytes(r.bytes_per_token)]
+                    + [f"{r.perplexity[c]:.3f}" for c in contexts]
+                    + [f"{r.kl:.5f}", f"{100 * r.step_agreement:.1f}%", f"{100 * r.same_prefix:.1f}%",
+                       str(r.sequences), f"{r.blocks / ref.blocks:.2f}x"])
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = [
+        f"kvforge eval kv-quant: {model}; text = CPython pydoc topics; reference = first row (unquantized)",
+        f"  ppl: {opts.windows} window(s) per context; KL: mean next-token KL(ref || row) over those positions; "
+        f"greedy: {opts.num_prompts} prompts x {opts.gen_tokens} tokens",
+        f"  capacity at {format_bytes(opts.capacity_memory)} of KV memory (ledger): "
+        f"{ref.blocks} blocks for the reference; seqs = full {opts.capacity_seq_len}-token sequences at once",
+        "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(head, widths))),
+    ]
+    for b in body:
+        lines.append("  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(b, widths))))
+    return "\n".join(lines)
+
+
+def concurrency_summary(rows: list[RowResult], opts: EvalOptions) -> str:
+    """One line per storage size class: concurrency at equal memory relative to a 16-bit cache."""
+    half = next((r for r in rows if r.k_dtype == r.v_dtype == "bfloat16"), None)
+    base = half or rows[0]
+    parts = [f"{storage_label(r)}: {r.sequences} seqs ({r.blocks / base.blocks:.2f}x)" for r in rows]
+    return (f"concurrency at {format_bytes(opts.capacity_memory)}, {opts.capacity_seq_len}-token sequences, "
+            f"relative to {storage_label(base)}: " + "; ".join(parts))
+
+
+def save_plot(rows: list[RowResult], path: str) -> None:
+    """Quality (KL, log scale) against bytes per token, one labelled point per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for r in rows[1:]:
+        ax1.scatter(r.bytes_per_token / 1024, max(r.kl, 1e-7))
+        ax1.annotate(storage_label(r), (r.bytes_per_token / 1024, max(r.kl, 1e-7)), fontsize=7)
+    ax1.set_xlabel("KV bytes per token (KiB, all layers)")
+    ax1.set_ylabel("mean next-token KL vs unquantized")
+    ax1.set_yscale("log")
+    labels = [storage_label(r) for r in rows]
+    ax2.barh(labels, [100 * r.step_agreement for r in rows], color="tab:blue", label="step agreement")
+    ax2.barh(labels, [100 * r.same_prefix for r in rows], color="tab:orange", alpha=0.6, label="same prefix")
+    ax2.set_xlabel("greedy agreement with unquantized (%)")
+    ax2.invert_yaxis()
+    ax2.tick_params(axis="y", labelsize=7)
+    ax2.legend(loc="lower left", fontsize=7)
+    fig.suptitle("kvforge eval kv-quant")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
