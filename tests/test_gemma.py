@@ -59,6 +59,7 @@ def test_greedy_batch_and_logits_match_transformers(gemma):
     [
         pytest.param({"max_num_batched_tokens": 7}, id="chunked-prefill"),
         pytest.param({"num_kv_blocks": 10, "block_size": 8}, id="tiny-cache-preemption"),
+        pytest.param({"attention_backend": "torch"}, id="reference-backend"),
     ],
 )
 def test_scheduling_paths_match_transformers(gemma, engine_kwargs):

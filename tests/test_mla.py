@@ -100,6 +100,7 @@ def test_deepseek_v3_routing_matches_transformers(deepseek_v3):
     [
         pytest.param({"max_num_batched_tokens": 7}, id="chunked-prefill"),
         pytest.param({"num_kv_blocks": 14, "block_size": 8}, id="tiny-cache-preemption"),
+        pytest.param({"attention_backend": "torch", "max_num_batched_tokens": 16}, id="reference-backend"),
     ],
 )
 def test_scheduling_paths_match_transformers(tiny_model_factory, engine_kwargs):
@@ -143,11 +144,13 @@ def _random_batch(cache: LatentKVCache, heads: int, gen: torch.Generator):
     return meta, q_nope, q_rope, r, bs
 
 
-def test_absorbed_decode_equals_decompressed_and_naive():
+@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+def test_absorbed_decode_equals_decompressed_and_naive(backend):
     gen = torch.Generator().manual_seed(0)
     heads, nope, v_dim = 4, 16, 12
     cache = LatentKVCache(24, 4, 32, 8, torch.float32)
     meta, q_nope, q_rope, r, bs = _random_batch(cache, heads, gen)
+    meta.backend = backend
     w_uk, w_uv = torch.randn(heads, nope, r, generator=gen) * 0.2, torch.randn(heads, v_dim, r, generator=gen) * 0.2
     outs = {
         (d, p): mla_attention(q_nope, q_rope, cache, meta, w_uk, w_uv, 0.3, decode_path=d, prefill_path=p)

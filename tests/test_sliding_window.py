@@ -47,6 +47,7 @@ def _llm(path: str, **kw) -> LLM:
         pytest.param({"max_num_batched_tokens": 7}, id="chunked-prefill"),
         pytest.param({"num_kv_blocks": 12, "max_num_batched_tokens": 16}, id="tiny-cache-preemption"),
         pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
+        pytest.param({"attention_backend": "torch", "max_num_batched_tokens": 9}, id="reference-backend"),
     ],
 )
 def test_windowed_greedy_matches_transformers(swa, engine_kwargs):

@@ -13,7 +13,7 @@ Two exact ways to attend over it:
   W_UV. Every head reads the same latent, i.e. MQA with one "KV head" of width
   kv_lora_rank + rope_dim, and the cache is never expanded.
 
-Both reuse the reference `paged_attention` (masks, fp32 softmax, batching of
+Both reuse `kvforge.attention.paged_attention` (the engine's backend: masks, batching of
 decode rows and prefill chunks) through small views that present the latent
 cache as K/V.
 """
@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.attention.torch_ref import paged_attention
+from kvforge.attention import paged_attention
 from kvforge.kv.latent_cache import LatentKVCache
 
 
