@@ -216,3 +216,14 @@ def test_checkpoint_mismatch_is_a_value_error(tiny_model_factory):
     del weights["model.layers.1.mlp.experts.3.down_proj.weight"]
     with pytest.raises(ValueError, match="experts.3.down_proj"):
         model.load_weights(weights)
+
+
+def test_half_precision_latent_cache_under_an_fp32_model(tiny_model_factory):
+    """kv_cache_dtype=float16 halves the latent bytes; attention reads it back in the model's dtype."""
+    path, hf = tiny_model_factory("deepseek_v2")
+    engine = _llm(path, num_kv_blocks=16, kv_cache_dtype="float16").engine
+    assert sum(c.nbytes for c in engine.runner.caches) == 16 * 16 * 2 * (32 + 8) * 2
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[1]])).logits[0]
+    assert (engine.prompt_logits(PROMPTS[1]) - ref).abs().max().item() < 2e-2
+    assert_no_leaks(engine)
