@@ -120,6 +120,7 @@ def main() -> None:
                                                     "max_num_batched_tokens")},
         "model": args.model or "SmolLM2-135M-Instruct (GGUF)", "device": str(llm.engine.device), "dtype": args.dtype,
         "host": platform.node(), "cpu_threads": __import__("torch").get_num_threads(), "load_s": load_s,
+        "load_avg_1m_at_end": os.getloadavg()[0],  # shared CPUs: a busy machine inflates every time
         "runs": runs, "outputs_identical": identical, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     if args.save:

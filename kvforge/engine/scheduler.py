@@ -3,7 +3,9 @@
 Each step: running requests first (decodes and unfinished prefill chunks), then
 waiting ones while budget, sequence slots and blocks allow. When blocks run out
 the most recently admitted running request is preempted by recompute: its
-blocks are freed and it goes back to the front of the queue.
+blocks are freed and it goes back to the front of the queue. A request with
+n > 1 samples is prefilled once; when its last prompt chunk samples, it is
+forked into n requests sharing its blocks (copy-on-write in the KV manager).
 """
 from __future__ import annotations
 
