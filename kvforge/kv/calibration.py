@@ -11,6 +11,9 @@ widens the scales by a headroom factor, and drops the calibration blocks from
 the prefix cache. From then on the scales never change, so cached blocks stay
 valid for prefix-cache hits.
 
+The calibration prompt is `CALIBRATION_TOKENS` long, or as many tokens as the pool
+holds when it is smaller (so a tiny pool calibrates on a shorter prefix).
+
 The calibration text is Python's own module documentation (docstrings of a few
 stdlib modules): real English and code, and deliberately not the
 `pydoc_data.topics` text that `kvforge eval kv-quant` measures on.
