@@ -137,7 +137,7 @@ def _dynamic_field(
     tokens_a: Sequence[int], text_a: str, text_b: str, decode: Callable[[Sequence[int]], str],
     block_size: int, hit_blocks: int,
 ) -> DynamicField | None:
-    from kvforge.planner.prefix import _kind, split_head  # the planner's lint owns the detection
+    from kvforge.planner.prefix import dynamic_kind, split_head  # the planner's lint owns the detection
 
     split = split_head(text_a, text_b)
     if split is None:
@@ -146,7 +146,7 @@ def _dynamic_field(
     if not any(values):
         kind = "whitespace change (a trailing space or newline)"
     else:
-        kind = _kind(split.context_a, split.context_b)
+        kind = dynamic_kind(split.context_a, split.context_b)
         if kind == "dynamic text" and all(v.isdigit() for v in values):
             kind = "counter"
     head_tokens = _tokens_covering(tokens_a, split.head_chars, decode)

@@ -91,7 +91,7 @@ def split_head(a: str, b: str) -> HeadSplit | None:
                      "".join(pb[first.size:second.b]), "".join(pa[lo:second.a + 8]), "".join(pb[lo:second.b + 8]))
 
 
-def _kind(*texts: str) -> str:
+def dynamic_kind(*texts: str) -> str:
     for name, pattern in _KINDS:
         if any(pattern.search(t) for t in texts):
             return name
@@ -112,7 +112,7 @@ def prefix_cache_lint(prompts: list[str], block_size: int, per_token_bytes: floa
     lost = head_blocks - reuse_blocks
     if lost < 1:
         return None
-    kind = _kind(worst.context_a, worst.context_b)
+    kind = dynamic_kind(worst.context_a, worst.context_b)
     return Lint("prefix-cache-killer", "warning", (
         f"prompts share a ~{head_tokens}-token head, but a {kind} ({worst.dynamic_a.strip()!r} vs "
         f"{worst.dynamic_b.strip()!r}) sits at ~token {reuse_tokens}: prefix caching reuses {reuse_blocks} "
