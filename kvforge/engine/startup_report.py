@@ -79,6 +79,9 @@ def build_startup_report(
     allocated = sum(c.nbytes for c in caches)
     assert allocated == per_block * num_blocks, f"cache allocated {allocated} B, ledger says {per_block * num_blocks} B"
     kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
+    if fmt.scale_granularity:  # quantized: say how the scales are laid out ("channel" is K only)
+        scales = "per channel for K, per token for V" if fmt.scale_granularity == "channel" else f"per {fmt.scale_granularity}"
+        kv_dtype += f" (scales {scales})"
     return StartupReport(
         model=getattr(args, "model", None) or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,
