@@ -72,7 +72,7 @@ class LLMEngine:
         caches = make_layer_caches(
             cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype]
         )
-        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed)
+        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
