@@ -11,6 +11,7 @@ import torch
 
 from kvforge.config import ModelConfig
 from kvforge.ledger import (
+    QUANTIZED_DTYPES,
     KVCacheFormat,
     blocks_per_sequence,
     format_bytes,
@@ -80,7 +81,9 @@ def build_startup_report(
     assert allocated == per_block * num_blocks, f"cache allocated {allocated} B, ledger says {per_block * num_blocks} B"
     kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
     if fmt.scale_granularity:  # quantized: say how the scales are laid out ("channel" is K only)
-        scales = "per channel for K, per token for V" if fmt.scale_granularity == "channel" else f"per {fmt.scale_granularity}"
+        scales = f"per {fmt.scale_granularity}"
+        if fmt.scale_granularity == "channel":
+            scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
         kv_dtype += f" (scales {scales})"
     return StartupReport(
         model=getattr(args, "model", None) or "SmolLM2-135M-Instruct (default)",
