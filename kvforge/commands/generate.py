@@ -35,9 +35,7 @@ def run(args: argparse.Namespace) -> int:
         rid = engine.add_request(prompts[0], params)
         print_stream(engine, rid)
         return 0
-    llm = LLM.__new__(LLM)
-    llm.engine = LLMEngine(engine_args)
-    llm.tokenizer = llm.engine.tokenizer
+    llm = LLM.from_engine_args(engine_args)
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         print(f"=== {prompt!r}\n{out.outputs[0].text}")
     sys.stdout.flush()

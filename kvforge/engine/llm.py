@@ -22,6 +22,14 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        """Build from an already validated EngineArgs (the CLI path)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(args)
+        llm.tokenizer = llm.engine.tokenizer
+        return llm
+
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,
