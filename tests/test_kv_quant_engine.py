@@ -163,3 +163,23 @@ def test_forked_samples_share_quantized_blocks_copy_on_write(tiny):
         for out, ref in zip(outs, single):
             assert [c.token_ids for c in out.outputs] == [ref, ref]
         assert_no_leaks(llm.engine)
+
+
+def test_cache_dtype_options_resolve_and_validate():
+    import argparse
+
+    from kvforge.config import CacheConfig
+    from kvforge.engine.args import EngineArgs, add_engine_cli_args, engine_args_from_cli
+
+    assert CacheConfig(kv_cache_dtype="fp8").cache_format("bfloat16") == KVCacheFormat("fp8_e4m3", "fp8_e4m3", "token")
+    split = CacheConfig(kv_cache_dtype="int4", k_cache_dtype="auto", kv_cache_scale="head").cache_format("float16")
+    assert split == KVCacheFormat("float16", "int4", "head")
+    assert CacheConfig(kv_cache_scale="channel").cache_format("float32") == KVCacheFormat("float32", "float32", None)
+    for field, value in (("kv_cache_scale", "block"), ("v_cache_dtype", "int3"), ("k_cache_dtype", "fp4")):
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(**{field: value})
+    parser = argparse.ArgumentParser()
+    add_engine_cli_args(parser)
+    args = engine_args_from_cli(parser.parse_args(
+        ["--k-cache-dtype", "auto", "--v-cache-dtype", "fp8", "--kv-cache-scale", "tensor"]))
+    assert args.cache_config().cache_format("float32") == KVCacheFormat("float32", "fp8_e4m3", "tensor")
