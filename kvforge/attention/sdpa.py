@@ -1,17 +1,21 @@
 """Fused paged attention through `torch.nn.functional.scaled_dot_product_attention`.
 
-Same contract and metadata as the reference backend (`torch_ref`), but the
-score/softmax/value product runs in PyTorch's fused kernels (flash attention on
-CPU and CUDA) instead of materialising fp32 score matrices, with GQA handled by
-the kernel (`enable_gqa`), so K/V are never repeated. Logit soft-capping is not
-expressible here: `select_attention` routes those layers to the reference.
+Same contract and metadata as the reference backend (`torch_ref`). Prefill
+chunks run in PyTorch's fused kernels (flash attention on CPU and CUDA) with
+GQA inside the kernel (`enable_gqa`), so K/V are never repeated and no fp32
+score matrix of chunk x context is materialised. Decode rows on CPU keep the
+reference's grouped matmuls: measured on this project's CPUs, the fused
+kernel is 1.1x slower for one query row in fp32 and 2.5x slower in bf16
+(`benchmarks/attention_backends.py`). Logit soft-capping is not expressible
+in SDPA: those layers go to the reference.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
+from kvforge.attention.torch_ref import decode_attention
 from kvforge.kv.cache_tensors import LayerKVCache
 
 
@@ -27,26 +31,40 @@ def paged_attention_sdpa(
     assert not softcap, "soft-capped attention goes through the reference backend"
     outs = []
     if meta.num_decodes:
-        k, v = cache.gather(meta.decode_block_tables)  # [B, L, Hkv, d]
-        positions = torch.arange(k.shape[1], device=q.device)
-        seq_lens = meta.decode_seq_lens[:, None]
-        visible = positions[None, :] < seq_lens
-        if sliding_window:
-            visible &= positions[None, :] >= seq_lens - sliding_window
-        qd = q[: meta.num_decodes].unsqueeze(2)  # [B, H, 1, d]
-        out = _sdpa(qd, k, v, visible[:, None, None, :], scale)
-        outs.append(out[:, :, 0])
+        if q.is_cuda:
+            outs.append(_decode_sdpa(q, cache, meta, scale, sliding_window))
+        else:
+            outs.append(decode_attention(q, cache, meta, scale, sliding_window))
     for chunk in meta.prefills:
-        k, v = cache.gather(chunk.block_table[None])
-        k, v = k[:, : chunk.seq_len], v[:, : chunk.seq_len]
-        q_pos = torch.arange(chunk.start, chunk.seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(chunk.seq_len, device=q.device)[None, :]
-        visible = k_pos <= q_pos
-        if sliding_window:
-            visible &= k_pos > q_pos - sliding_window
-        qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, d]
-        outs.append(_sdpa(qp, k, v, visible[None, None], scale)[0].transpose(0, 1))
+        outs.append(prefill_attention_sdpa(q, cache, chunk, scale, sliding_window))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def prefill_attention_sdpa(
+    q: torch.Tensor, cache: LayerKVCache, chunk: PrefillChunk, scale: float, sliding_window: int | None = None
+) -> torch.Tensor:
+    k, v = cache.gather(chunk.block_table[None])
+    k, v = k[:, : chunk.seq_len], v[:, : chunk.seq_len]
+    q_pos = torch.arange(chunk.start, chunk.seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(chunk.seq_len, device=q.device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window:
+        visible &= k_pos > q_pos - sliding_window
+    qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, d]
+    return _sdpa(qp, k, v, visible[None, None], scale)[0].transpose(0, 1)
+
+
+def _decode_sdpa(
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, sliding_window: int | None
+) -> torch.Tensor:
+    k, v = cache.gather(meta.decode_block_tables)  # [B, L, Hkv, d]
+    positions = torch.arange(k.shape[1], device=q.device)
+    seq_lens = meta.decode_seq_lens[:, None]
+    visible = positions[None, :] < seq_lens
+    if sliding_window:
+        visible &= positions[None, :] >= seq_lens - sliding_window
+    qd = q[: meta.num_decodes].unsqueeze(2)  # [B, H, 1, d]
+    return _sdpa(qd, k, v, visible[:, None, None, :], scale)[:, :, 0]
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

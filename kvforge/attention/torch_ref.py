@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.kv.cache_tensors import LayerKVCache
 
 
@@ -24,23 +24,39 @@ def paged_attention(
     """q: [num_tokens, heads, d] -> [num_tokens, heads, v_dim]; new K/V must already be written."""
     outs = []
     if meta.num_decodes:
-        k, v = cache.gather(meta.decode_block_tables)
-        positions = torch.arange(k.shape[1], device=q.device)
-        seq_lens = meta.decode_seq_lens[:, None]
-        visible = positions[None, :] < seq_lens  # [B, L]
-        if sliding_window:
-            visible &= positions[None, :] >= seq_lens - sliding_window
-        outs.append(_attend(q[: meta.num_decodes, None], k, v, visible[:, None, :], scale, softcap)[:, 0])
+        outs.append(decode_attention(q, cache, meta, scale, sliding_window, softcap))
     for chunk in meta.prefills:
-        k, v = cache.gather(chunk.block_table[None])
-        k, v = k[:, : chunk.seq_len], v[:, : chunk.seq_len]
-        q_pos = torch.arange(chunk.start, chunk.seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(chunk.seq_len, device=q.device)[None, :]
-        visible = k_pos <= q_pos
-        if sliding_window:
-            visible &= k_pos > q_pos - sliding_window
-        outs.append(_attend(q[chunk.rows][None], k, v, visible[None], scale, softcap)[0])
+        outs.append(prefill_attention(q, cache, chunk, scale, sliding_window, softcap))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def decode_attention(
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float,
+    sliding_window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """The batched decode rows: one query per sequence against its gathered context."""
+    k, v = cache.gather(meta.decode_block_tables)
+    positions = torch.arange(k.shape[1], device=q.device)
+    seq_lens = meta.decode_seq_lens[:, None]
+    visible = positions[None, :] < seq_lens  # [B, L]
+    if sliding_window:
+        visible &= positions[None, :] >= seq_lens - sliding_window
+    return _attend(q[: meta.num_decodes, None], k, v, visible[:, None, :], scale, softcap)[:, 0]
+
+
+def prefill_attention(
+    q: torch.Tensor, cache: LayerKVCache, chunk: PrefillChunk, scale: float,
+    sliding_window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """One prefill chunk over its cached prefix plus its own new tokens, causally masked."""
+    k, v = cache.gather(chunk.block_table[None])
+    k, v = k[:, : chunk.seq_len], v[:, : chunk.seq_len]
+    q_pos = torch.arange(chunk.start, chunk.seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(chunk.seq_len, device=q.device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window:
+        visible &= k_pos > q_pos - sliding_window
+    return _attend(q[chunk.rows][None], k, v, visible[None], scale, softcap)[0]
 
 
 def _attend(
