@@ -4,9 +4,10 @@ Same contract and metadata as the reference backend (`torch_ref`). Prefill
 chunks run in PyTorch's fused kernels (flash attention on CPU and CUDA) with
 GQA inside the kernel (`enable_gqa`), so K/V are never repeated and no fp32
 score matrix of chunk x context is materialised. Decode rows on CPU keep the
-reference's grouped matmuls: measured on this project's CPUs, the fused
-kernel is 1.1x slower for one query row in fp32 and 2.5x slower in bf16
-(`benchmarks/attention_backends.py`). Logit soft-capping is not expressible
+reference's grouped matmuls in 16-bit dtypes: on this project's CPUs the
+fused kernel is 1.3-2x slower per bf16 decode step, and 10-20% faster in
+fp32 (measured per engine step; `benchmarks/attention_backends.py` times
+the kernels alone). Logit soft-capping is not expressible
 in SDPA: those layers go to the reference.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ def paged_attention_sdpa(
     assert not softcap, "soft-capped attention goes through the reference backend"
     outs = []
     if meta.num_decodes:
-        if q.is_cuda:
+        if q.is_cuda or q.dtype == torch.float32:
             outs.append(_decode_sdpa(q, cache, meta, scale, sliding_window))
         else:
             outs.append(decode_attention(q, cache, meta, scale, sliding_window))

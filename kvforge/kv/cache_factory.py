@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.config import ModelConfig
-from kvforge.kv.cache_tensors import DenseKVCache, LayerKVCache
+from kvforge.kv.cache_tensors import DenseKVCache, GatherWorkspace, LayerKVCache
 from kvforge.kv.latent_cache import LatentKVCache
 from kvforge.kv.quant import is_quantized
 from kvforge.kv.quantized_cache import QuantizedKVCache
@@ -43,7 +43,8 @@ def make_layer_caches(
             LatentKVCache(num_blocks, block_size, rank, shape.mla_latent_dim - rank, dtype, device, compute_dtype)
             for _ in range(cfg.num_layers)
         ]
+    workspace = GatherWorkspace()  # one set of gather buffers for all layers
     return [
-        DenseKVCache(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim, dtype, device)
+        DenseKVCache(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim, dtype, device, workspace)
         for _ in range(cfg.num_layers)
     ]

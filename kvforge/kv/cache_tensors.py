@@ -13,6 +13,40 @@ from typing import Protocol
 import torch
 
 
+def gather_blocks(storage: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """storage [num_blocks, ...] rows picked by block_tables [B, nb] -> [B, nb, ...].
+
+    `index_select` copies whole contiguous blocks; plain advanced indexing
+    (`storage[block_tables]`) is 5-6x slower on CPU and was 75% of a decode step.
+    """
+    idx = block_tables.reshape(-1)
+    if out is None:
+        picked = storage.index_select(0, idx)
+    else:
+        picked = torch.index_select(storage, 0, idx, out=out[: idx.numel()])
+    return picked.view(*block_tables.shape, *storage.shape[1:])
+
+
+class GatherWorkspace:
+    """Reusable gather buffers shared by every layer of one engine.
+
+    A gathered K/V lives only while its layer attends, so one buffer per
+    role serves all layers; reusing it spares a multi-megabyte allocation
+    (and its page faults) per layer per step.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype, str], torch.Tensor] = {}
+
+    def get(self, role: str, like: torch.Tensor, rows: int) -> torch.Tensor:
+        key = (role, like.dtype, str(like.device))
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape[0] < rows or buf.shape[1:] != like.shape[1:]:
+            buf = torch.empty(max(rows, 64), *like.shape[1:], dtype=like.dtype, device=like.device)
+            self.buffers[key] = buf
+        return buf
+
+
 class LayerKVCache(Protocol):
     num_blocks: int
     block_size: int
@@ -34,9 +68,10 @@ class DenseKVCache:
 
     def __init__(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
-        dtype: torch.dtype, device: torch.device | str = "cpu",
+        dtype: torch.dtype, device: torch.device | str = "cpu", workspace: GatherWorkspace | None = None,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.workspace = workspace
         self.k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(num_blocks, block_size, num_kv_heads, v_head_dim, dtype=dtype, device=device)
 
@@ -46,8 +81,12 @@ class DenseKVCache:
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, nb = block_tables.shape
-        k = self.k[block_tables].view(b, nb * self.block_size, *self.k.shape[2:])
-        v = self.v[block_tables].view(b, nb * self.block_size, *self.v.shape[2:])
+        k_out = v_out = None
+        if self.workspace is not None:
+            k_out = self.workspace.get("k", self.k, b * nb)
+            v_out = self.workspace.get("v", self.v, b * nb)
+        k = gather_blocks(self.k, block_tables, k_out).view(b, nb * self.block_size, *self.k.shape[2:])
+        v = gather_blocks(self.v, block_tables, v_out).view(b, nb * self.block_size, *self.v.shape[2:])
         return k, v
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

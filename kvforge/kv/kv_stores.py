@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kv.cache_tensors import gather_blocks
 from kvforge.kv.quant import (
     ABSMAX_FLOOR,
     QuantFormat,
@@ -52,7 +53,7 @@ class DenseStore:
 
     def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b, nb = block_tables.shape
-        return self.data[block_tables].view(b, nb * self.block_size, *self.data.shape[2:]).to(dtype)
+        return gather_blocks(self.data, block_tables).view(b, nb * self.block_size, *self.data.shape[2:]).to(dtype)
 
 
 class QuantStore:
@@ -122,12 +123,12 @@ class QuantStore:
     # ---- read ------------------------------------------------------------------------------------
     def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b, nb = block_tables.shape
-        codes = self.data[block_tables]  # [B, nb, bs, H, stored]
+        codes = gather_blocks(self.data, block_tables)  # [B, nb, bs, H, stored]
         if self.granularity == "tensor":
             scale = self.static_scale if self.static_scale is not None else 1.0
         elif self.granularity == "channel":
-            scale = self.scale[block_tables][:, :, None]  # [B, nb, 1, H, D]
+            scale = gather_blocks(self.scale, block_tables)[:, :, None]  # [B, nb, 1, H, D]
         else:
-            scale = expand_scale(self.scale[block_tables], self.granularity)
+            scale = expand_scale(gather_blocks(self.scale, block_tables), self.granularity)
         values = dequantize(codes, scale, self.fmt, dtype)
         return values.view(b, nb * self.block_size, *values.shape[3:])

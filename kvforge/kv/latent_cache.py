@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kvforge.kv.cache_tensors import gather_blocks
+
 
 class LatentKVCache:
     """One `[num_blocks, block_size, latent_dim]` tensor; `nbytes` matches `kvforge.ledger` for MLA shapes."""
@@ -43,7 +45,7 @@ class LatentKVCache:
     def gather_latent(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, nb] block ids -> (c_kv [B, nb*block_size, kv_lora_rank], k_rope [B, nb*block_size, rope_dim])."""
         b, nb = block_tables.shape
-        flat = self.latent[block_tables].view(b, nb * self.block_size, self.latent_dim).to(self.compute_dtype)
+        flat = gather_blocks(self.latent, block_tables).view(b, nb * self.block_size, self.latent_dim).to(self.compute_dtype)
         return flat[..., : self.kv_lora_rank], flat[..., self.kv_lora_rank :]
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
