@@ -73,14 +73,34 @@ ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
+    """act(gate(x)) * up(x) -> down, with gate and up packed into one matmul (one weight read per step)."""
+
     def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # loaded from HF gate_proj + up_proj
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+# Packed parameters and the HF checkpoint tensors they concatenate (along the output dim), in order.
+PACKED_PARAMS: dict[str, tuple[str, ...]] = {
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+}
+
+
+def pack_checkpoint(weights: dict[str, torch.Tensor], param_names: set[str]) -> dict[str, torch.Tensor]:
+    """Concatenate HF tensors (e.g. `mlp.gate_proj.weight` + `mlp.up_proj.weight`) into packed params."""
+    out = dict(weights)
+    for name in param_names:
+        module, packed, suffix = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
+        parts = [f"{module}.{p}.{suffix}" for p in PACKED_PARAMS.get(packed, ())]
+        if parts and all(p in out for p in parts):
+            out[name] = torch.cat([out.pop(p) for p in parts], dim=0)
+    return out

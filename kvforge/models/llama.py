@@ -13,7 +13,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention import paged_attention
 from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import LayerKVCache
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, pack_checkpoint
 
 
 class LlamaAttention(nn.Module):
@@ -27,9 +27,9 @@ class LlamaAttention(nn.Module):
         qkv_bias = cfg.attention_bias
         o_bias = cfg.attention_bias and cfg.model_type != "qwen2"
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul, loaded from the HF q_proj/k_proj/v_proj tensors
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
@@ -38,9 +38,10 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         cache.write(meta.slot_mapping, k, v)
         out = paged_attention(q, cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(t, -1))
@@ -97,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
             expected.discard("lm_head.weight")
             weights = {k: v for k, v in weights.items() if k != "lm_head.weight"}
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        weights = pack_checkpoint(weights, expected)
         missing, unexpected = expected - set(weights), set(weights) - expected
         if missing or unexpected:
             raise ValueError(
