@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
-from kvforge.attention.torch_ref import decode_attention
+from kvforge.attention.torch_ref import decode_attention, gather_decode_context, gather_prefill_context
 from kvforge.kv.cache_tensors import LayerKVCache
 
 
@@ -44,13 +44,7 @@ def paged_attention_sdpa(
 def prefill_attention_sdpa(
     q: torch.Tensor, cache: LayerKVCache, chunk: PrefillChunk, scale: float, sliding_window: int | None = None
 ) -> torch.Tensor:
-    k, v = cache.gather(chunk.block_table[None])
-    k, v = k[:, : chunk.seq_len], v[:, : chunk.seq_len]
-    q_pos = torch.arange(chunk.start, chunk.seq_len, device=q.device)[:, None]
-    k_pos = torch.arange(chunk.seq_len, device=q.device)[None, :]
-    visible = k_pos <= q_pos
-    if sliding_window:
-        visible &= k_pos > q_pos - sliding_window
+    k, v, visible = gather_prefill_context(cache, chunk, sliding_window)
     qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, d]
     return _sdpa(qp, k, v, visible[None, None], scale)[0].transpose(0, 1)
 
@@ -58,12 +52,7 @@ def prefill_attention_sdpa(
 def _decode_sdpa(
     q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float, sliding_window: int | None
 ) -> torch.Tensor:
-    k, v = cache.gather(meta.decode_block_tables)  # [B, L, Hkv, d]
-    positions = torch.arange(k.shape[1], device=q.device)
-    seq_lens = meta.decode_seq_lens[:, None]
-    visible = positions[None, :] < seq_lens
-    if sliding_window:
-        visible &= positions[None, :] >= seq_lens - sliding_window
+    k, v, visible = gather_decode_context(cache, meta, sliding_window)
     qd = q[: meta.num_decodes].unsqueeze(2)  # [B, H, 1, d]
     return _sdpa(qd, k, v, visible[:, None, None, :], scale)[:, :, 0]
 

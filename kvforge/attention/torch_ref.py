@@ -35,13 +35,35 @@ def decode_attention(
     sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """The batched decode rows: one query per sequence against its gathered context."""
+    k, v, visible = gather_decode_context(cache, meta, sliding_window)
+    return _attend(q[: meta.num_decodes, None], k, v, visible[:, None, :], scale, softcap)[:, 0]
+
+
+def gather_decode_context(
+    cache: LayerKVCache, meta: AttentionMetadata, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode rows' K, V [B, L, Hkv, d] and which of the L positions each row sees [B, L] (both backends)."""
     k, v = cache.gather(meta.decode_block_tables)
-    positions = torch.arange(k.shape[1], device=q.device)
+    positions = torch.arange(k.shape[1], device=k.device)
     seq_lens = meta.decode_seq_lens[:, None]
-    visible = positions[None, :] < seq_lens  # [B, L]
+    visible = positions[None, :] < seq_lens
     if sliding_window:
         visible &= positions[None, :] >= seq_lens - sliding_window
-    return _attend(q[: meta.num_decodes, None], k, v, visible[:, None, :], scale, softcap)[:, 0]
+    return k, v, visible
+
+
+def gather_prefill_context(
+    cache: LayerKVCache, chunk: PrefillChunk, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's K, V [1, seq_len, Hkv, d] and its causal (windowed) visibility [chunk, seq_len] (both backends)."""
+    k, v = cache.gather(chunk.block_table[None])
+    k, v = k[:, : chunk.seq_len], v[:, : chunk.seq_len]
+    q_pos = torch.arange(chunk.start, chunk.seq_len, device=k.device)[:, None]
+    k_pos = torch.arange(chunk.seq_len, device=k.device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window:
+        visible &= k_pos > q_pos - sliding_window
+    return k, v, visible
 
 
 def prefill_attention(
@@ -49,13 +71,7 @@ def prefill_attention(
     sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """One prefill chunk over its cached prefix plus its own new tokens, causally masked."""
-    k, v = cache.gather(chunk.block_table[None])
-    k, v = k[:, : chunk.seq_len], v[:, : chunk.seq_len]
-    q_pos = torch.arange(chunk.start, chunk.seq_len, device=q.device)[:, None]
-    k_pos = torch.arange(chunk.seq_len, device=q.device)[None, :]
-    visible = k_pos <= q_pos
-    if sliding_window:
-        visible &= k_pos > q_pos - sliding_window
+    k, v, visible = gather_prefill_context(cache, chunk, sliding_window)
     return _attend(q[chunk.rows][None], k, v, visible[None], scale, softcap)[0]
 
 
