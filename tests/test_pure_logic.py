@@ -1,0 +1,14 @@
+"""The pure-logic modules (ledger, block pool, KV manager, scheduler) never import torch (DESIGN.md)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PURE = ["kvforge.ledger", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.manager",
+        "kvforge.kv.explain", "kvforge.engine.scheduler", "kvforge.engine.request", "kvforge.engine.sampling_params"]
+
+
+def test_pure_logic_modules_do_not_import_torch():
+    code = "import sys\n" + "".join(f"import {m}\n" for m in PURE) + "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
