@@ -52,10 +52,13 @@ def concurrency_summary(rows: list[RowResult], opts: EvalOptions) -> str:
 
 def save_plot(rows: list[RowResult], path: str) -> None:
     """Quality (KL, log scale) against bytes per token, one labelled point per row."""
-    import matplotlib
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib (pip install 'kvforge[plot]')") from None
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     for r in rows[1:]:
