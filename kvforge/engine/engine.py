@@ -120,9 +120,8 @@ class LLMEngine:
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
         req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n)
-        max_len = self.scheduler.max_seq_len
         self.scheduler.add_request(req)  # validates lengths and n
-        self.outputs.add(req, prompt, max_len)
+        self.outputs.add(req, prompt)
         self.samples[request_id] = [req]
         return request_id
 
@@ -187,7 +186,7 @@ class LLMEngine:
         if self.kv.allocate_slots(req, len(token_ids)) is None:
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
-            return self.runner.prompt_logits(req.request_id, req.all_token_ids)
+            return self.runner.prompt_logits(req)
         finally:
             self.kv.free(req)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
+from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult, sample
 from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvforge.kv.cache_tensors import LayerKVCache
@@ -121,13 +122,9 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def prompt_logits(self, request_id: str, token_ids: list[int], start: int = 0) -> torch.Tensor:
-        """Logits [T, V] for every position of an already-allocated single request (scoring/perplexity)."""
-        from kvforge.engine.request import Request
-        from kvforge.engine.sampling_params import SamplingParams
-
-        req = Request(request_id, token_ids, SamplingParams())
-        chunk = ScheduledChunk(req, start, len(token_ids) - start)
+    def prompt_logits(self, req: Request) -> torch.Tensor:
+        """Logits [T, V] for every token of `req`, whose blocks are already allocated (scoring/perplexity)."""
+        chunk = ScheduledChunk(req, 0, req.num_tokens)
         input_ids, positions, meta, _ = self.prepare([chunk])
         hidden = self.model(input_ids, positions, self.caches, meta)
         return self.model.compute_logits(hidden).cpu()

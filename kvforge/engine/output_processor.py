@@ -49,7 +49,7 @@ class OutputProcessor:
         self.states: dict[str, _State] = {}  # by sample (request) id
         self.groups: dict[str, _Group] = {}  # by the caller's request id
 
-    def add(self, req: Request, prompt: str | None, max_len: int) -> None:
+    def add(self, req: Request, prompt: str | None) -> None:
         self.groups[req.request_id] = _Group(
             prompt, list(req.prompt_token_ids), req.num_seqs, RequestMetrics(req.arrival_time), {}
         )

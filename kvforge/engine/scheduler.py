@@ -55,7 +55,7 @@ class Scheduler:
         self.num_preemptions = 0
         # A lone request can always grow to this length, so it never preempts itself forever.
         self.max_seq_len = min(config.max_model_len, kv.pool.num_blocks * kv.block_size)
-        window = getattr(kv, "sliding_window", None)
+        window = kv.sliding_window
         if window is not None and kv.pool.num_blocks * kv.block_size >= window + config.max_num_batched_tokens + 2 * kv.block_size:
             self.max_seq_len = config.max_model_len  # all layers windowed: a lone request holds O(window) blocks
 
