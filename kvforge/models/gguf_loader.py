@@ -1,15 +1,26 @@
 """Read a llama.cpp GGUF file into HF-named float32 weights, an HF-style config and a tokenizer.
 
 GGUF stores what `convert_hf_to_gguf.py` wrote: llama.cpp tensor names
-(`blk.0.attn_q.weight`), quantized blocks, and -- for the llama architecture --
-q/k projection rows permuted from HF's "rotate half" rope layout into
-llama.cpp's interleaved-pairs layout. We dequantize, rename and undo that
-permutation so the rest of kvforge sees exactly what an HF checkpoint holds.
+(`blk.0.attn_q.weight`), quantized blocks, and a few per-architecture
+rewrites of the HF tensors. We dequantize, rename and undo each rewrite so the
+rest of kvforge sees exactly what an HF checkpoint holds:
+- llama: q/k projection rows permuted from HF's "rotate half" rope layout into
+  llama.cpp's interleaved-pairs layout (un-permuted here);
+- gemma2/gemma3: RMSNorm weights stored as (1 + w), because llama.cpp's norm
+  multiplies by the weight while Gemma's multiplies by (1 + w) (1 subtracted here);
+- deepseek2: routed experts stacked into one 3-D tensor per projection
+  (unstacked here) and, in newer files, kv_b_proj split into a transposed k_b
+  and a v_b for absorbed MLA (joined back here).
+Hyper-parameters llama.cpp hard-codes per architecture instead of storing
+(Gemma's local/global layer pattern and local rope base) are restored from the
+same rules llama.cpp applies.
 """
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp tensor name (inside blk.N) -> HF module path (inside model.layers.N)
+# llama.cpp tensor name (inside blk.N) -> HF module path (inside model.layers.N), llama family
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -29,16 +40,36 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer: llama.cpp's ffn_norm is Gemma's *pre*-feed-forward norm.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_DEEPSEEK2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# Stacked routed experts [n_expert, rows, cols] -> one HF projection per expert.
+_EXPERT_PROJS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors llama.cpp derives from config (Llama-3.1 rope frequencies); HF recomputes them.
 _IGNORED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
-# arch -> (model_type, HF class, whether q/k rows were permuted for rope)
-_ARCHS = {
-    "llama": ("llama", "LlamaForCausalLM", True),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
-}
+Meta = Callable[..., Any]  # meta(key, default=None): one `{arch}.key` metadata value
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:
@@ -52,12 +83,150 @@ def _f32(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def gguf_hf_config(reader: Any) -> dict:
-    """Synthesize the HF `config.json` dict this GGUF was converted from."""
+# ---- per-architecture config -------------------------------------------------
+
+
+def _llama_config(cfg: dict, meta: Meta, names: set[str]) -> None:
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in names
+    cfg["mlp_bias"] = False
+
+
+def _no_extra_config(cfg: dict, meta: Meta, names: set[str]) -> None:
+    """Qwen2: the common fields say everything (its q/k/v biases are implied by the model type)."""
+
+
+def _layer_types(n_layers: int, period: int, window: int | None) -> list[str]:
+    """llama.cpp's swa pattern: in every `period` layers, the last one is global, the rest slide."""
+    if not window:
+        return ["full_attention"] * n_layers
+    return ["sliding_attention" if i % period < period - 1 else "full_attention" for i in range(n_layers)]
+
+
+def _gemma_common(cfg: dict, meta: Meta, size_27b_layers: int) -> None:
+    """Fields Gemma 2 and 3 share; the attention scale follows llama.cpp's (gemma_pytorch's) rule.
+
+    GGUF has no query_pre_attn_scalar: llama.cpp uses hidden/heads for the 27B models
+    (recognised by their layer count) and head_dim for every other size, as the HF configs do.
+    """
+    cfg["hidden_act"] = cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    big = cfg["num_hidden_layers"] == size_27b_layers
+    cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+    final_cap = meta("final_logit_softcapping")
+    cfg["final_logit_softcapping"] = _f32(final_cap) if final_cap else None
+    cfg["attention_bias"] = False
+
+
+def _gemma2_config(cfg: dict, meta: Meta, names: set[str]) -> None:
+    _gemma_common(cfg, meta, size_27b_layers=46)
+    attn_cap = meta("attn_logit_softcapping")
+    cfg["attn_logit_softcapping"] = _f32(attn_cap) if attn_cap else None
+    window = int(meta("attention.sliding_window", 4096))  # llama.cpp's default for Gemma 2
+    cfg["sliding_window"] = window
+    cfg["layer_types"] = _layer_types(cfg["num_hidden_layers"], 2, window)
+
+
+def _gemma3_config(cfg: dict, meta: Meta, names: set[str]) -> None:
+    """Gemma 3 text: every 6th layer global; local layers use rope base 10k, unscaled (llama.cpp's rule)."""
+    _gemma_common(cfg, meta, size_27b_layers=62)
+    cfg["model_type"] = "gemma3_text"
+    cfg["attn_logit_softcapping"] = None
+    window = meta("attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
+    cfg["layer_types"] = _layer_types(cfg["num_hidden_layers"], 6, window)
+    cfg["rope_local_base_freq"] = _f32(meta("rope.freq_base_swa", 10000.0))
+
+
+def _deepseek2_config(cfg: dict, meta: Meta, names: set[str]) -> None:
+    """MLA and MoE fields; handles both the older (attn_kv_b) and newer (k_b/v_b) file layouts.
+
+    Newer files describe attention as MQA over the latent (key_length = kv_lora_rank + rope
+    dim, head_count_kv 1) and put the per-head sizes in key_length_mla / value_length_mla.
+    """
+    rope_dim = int(meta("rope.dimension_count"))
+    qk_dim = int(meta("attention.key_length_mla") or meta("attention.key_length"))
+    v_dim = int(meta("attention.value_length_mla") or meta("attention.value_length"))
+    n_group = int(meta("expert_group_count") or 1)
+    sigmoid = int(meta("expert_gating_func") or 1) == 2  # llama.cpp: 1 softmax (default for V2), 2 sigmoid
+    cfg.update(
+        num_key_value_heads=cfg["num_attention_heads"],
+        head_dim=rope_dim,
+        q_lora_rank=int(meta("attention.q_lora_rank") or 0) or None,
+        kv_lora_rank=int(meta("attention.kv_lora_rank")),
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=qk_dim - rope_dim,
+        v_head_dim=v_dim,
+        moe_intermediate_size=int(meta("expert_feed_forward_length")),
+        n_routed_experts=int(meta("expert_count")),
+        num_experts_per_tok=int(meta("expert_used_count")),
+        n_shared_experts=int(meta("expert_shared_count") or 0),
+        first_k_dense_replace=int(meta("leading_dense_block_count") or 0),
+        moe_layer_freq=1,
+        routed_scaling_factor=_f32(meta("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(meta("expert_weights_norm", False)),
+        scoring_func="sigmoid" if sigmoid else "softmax",
+        n_group=n_group,
+        topk_group=int(meta("expert_group_used_count") or 1),
+        topk_method="noaux_tc" if sigmoid else ("group_limited_greedy" if n_group > 1 else "greedy"),
+        attention_bias=False,
+    )
+    if sigmoid:  # DeepSeek-V3/R1 files are filed under deepseek2 too
+        cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], rope_interleave=True)
+    if cfg.get("rope_scaling", {}).get("rope_type") == "yarn":
+        cfg["rope_scaling"].update(_yarn_fields(meta))
+
+
+def _yarn_fields(meta: Meta) -> dict:
+    """llama.cpp keeps only 0.1 * mscale_all_dim and assumes mscale == mscale_all_dim (true of DeepSeek)."""
+    mscale = round(_f32(meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)
+    return {
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+        "beta_fast": _f32(meta("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": _f32(meta("rope.scaling.yarn_beta_slow", 1.0)),
+    }
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """How one llama.cpp architecture maps back to its HF checkpoint."""
+
+    model_type: str
+    hf_class: str
+    layer_names: dict[str, str]
+    config: Callable[[dict, Meta, set[str]], None]
+    permute_qk: bool = False  # q/k rows permuted into llama.cpp's rope layout
+    norm_shift: float = 0.0  # RMSNorm weights stored as (w + norm_shift)
+
+
+_ARCHS = {
+    "llama": _Arch("llama", "LlamaForCausalLM", _LAYER_NAMES, _llama_config, permute_qk=True),
+    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", _LAYER_NAMES, _no_extra_config),
+    "gemma2": _Arch("gemma2", "Gemma2ForCausalLM", _GEMMA_LAYER_NAMES, _gemma2_config, norm_shift=1.0),
+    "gemma3": _Arch("gemma3", "Gemma3ForCausalLM", _GEMMA_LAYER_NAMES, _gemma3_config, norm_shift=1.0),
+    "deepseek2": _Arch("deepseek_v2", "DeepseekV2ForCausalLM", _DEEPSEEK2_LAYER_NAMES, _deepseek2_config),
+}
+
+
+def _arch(reader: Any) -> tuple[str, _Arch]:
     arch = field(reader, "general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHS)}")
-    model_type, cls_name, _ = _ARCHS[arch]
+    return arch, _ARCHS[arch]
+
+
+def _vocab_size(reader: Any, meta: Meta) -> int:
+    """Rows of the embedding (llama.cpp may pad or trim the tokenizer's list), else the metadata's count."""
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is not None:
+        return int(embd.shape[-1])  # GGUF shapes are innermost-first: [hidden, vocab]
+    return int(meta("vocab_size") or len(field(reader, "tokenizer.ggml.tokens", [])))
+
+
+def gguf_hf_config(reader: Any) -> dict:
+    """Synthesize the HF `config.json` dict this GGUF was converted from."""
+    arch, spec = _arch(reader)
+    model_type, cls_name = spec.model_type, spec.hf_class
     if arch == "llama" and "mistral" in str(field(reader, "general.name", "")).lower():
         model_type, cls_name = "mistral", "MistralForCausalLM"  # llama.cpp files Mistral under llama
 
@@ -66,11 +235,10 @@ def gguf_hf_config(reader: Any) -> dict:
 
     names = {t.name for t in reader.tensors}
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    vocab = meta("vocab_size") or len(field(reader, "tokenizer.ggml.tokens", []))
     cfg: dict[str, Any] = {
         "model_type": model_type,
         "architectures": [cls_name],
-        "vocab_size": int(vocab),
+        "vocab_size": _vocab_size(reader, meta),
         "hidden_size": hidden,
         "intermediate_size": int(meta("feed_forward_length")),
         "num_hidden_layers": int(meta("block_count")),
@@ -86,9 +254,6 @@ def gguf_hf_config(reader: Any) -> dict:
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    if arch == "llama":
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in names
-        cfg["mlp_bias"] = False
     scaling = meta("rope.scaling.type")
     if scaling and scaling != "none":
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": _f32(meta("rope.scaling.factor", 1.0))}
@@ -97,18 +262,25 @@ def gguf_hf_config(reader: Any) -> dict:
             cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
     if "rope_freqs.weight" in names:
         logger.warning("GGUF has rope_freqs (Llama-3.1 rope scaling), which is not reconstructed")
+    spec.config(cfg, meta, names)
     return cfg
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+# ---- tensors -------------------------------------------------------------------
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for ignorable tensors."""
     if gguf_name in _IGNORED:
         return None
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        if part == "exp_probs_b":  # DeepSeek-V3's routing bias, a bare parameter in HF
+            return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        names = _ARCHS[arch].layer_names if arch in _ARCHS else _LAYER_NAMES
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
         if base in _GLOBAL_NAMES:
@@ -128,25 +300,67 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def gguf_weights(reader: Any, cfg: dict) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32 under its HF name, q/k rope rows un-permuted."""
+def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """Rebuild HF's kv_b_proj [heads * (nope + v), kv_lora_rank] from llama.cpp's split halves.
+
+    The converter viewed kv_b_proj as [heads, nope + v, rank], split it, and stored k_b
+    transposed ([heads, rank, nope], ready for absorbing into q) and v_b as is ([heads, v, rank]).
+    """
+    if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise ValueError(f"attn_k_b {tuple(k_b.shape)} and attn_v_b {tuple(v_b.shape)} do not fit together")
+    kv = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return kv.reshape(-1, kv.shape[-1])
+
+
+def _join_split_kv_b(raw: dict[str, torch.Tensor]) -> None:
+    """Replace each layer's attn_k_b/attn_v_b pair by attn_kv_b (kept as is when the file has both)."""
+    for k_name in [n for n in raw if n.endswith(".attn_k_b.weight")]:
+        prefix = k_name[: -len("attn_k_b.weight")]
+        v_name = prefix + "attn_v_b.weight"
+        if v_name not in raw:
+            raise ValueError(f"GGUF has {k_name!r} but no {v_name!r}")
+        k_b, v_b = raw.pop(k_name), raw.pop(v_name)
+        raw.setdefault(prefix + "attn_kv_b.weight", join_kv_b(k_b, v_b))
+
+
+def _dequantized(t: Any) -> torch.Tensor:
     from gguf.quants import dequantize
 
-    permuted = _ARCHS[field(reader, "general.architecture")][2]
-    heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}
+    arr = dequantize(t.data, t.tensor_type)
+    if arr.dtype != np.float32 or not arr.flags.writeable:  # F32 tensors come back as file views
+        arr = np.array(arr, dtype=np.float32)
+    return torch.from_numpy(arr)
+
+
+def _hf_tensors(name: str, w: torch.Tensor, arch: str, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensor(s) one GGUF tensor becomes, with the architecture's rewrite undone."""
+    spec = _ARCHS[arch]
+    m = _BLOCK.match(name)
+    part = m.group(2) if m else name.rpartition(".")[0]
+    if m and part in _EXPERT_PROJS:
+        layer, _, kind = m.groups()
+        for e in range(w.shape[0]):
+            yield f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_PROJS[part]}.{kind}", w[e].contiguous()
+        return
+    hf = hf_tensor_name(name, arch)
+    if hf is None:
+        return
+    proj = hf.split(".")[-2]
+    if spec.permute_qk and proj in ("q_proj", "k_proj"):
+        w = unpermute_rope_rows(w, cfg["num_attention_heads" if proj == "q_proj" else "num_key_value_heads"])
+    if spec.norm_shift and part.endswith("norm"):
+        w = w - spec.norm_shift
+    yield hf, w.contiguous()
+
+
+def gguf_weights(reader: Any, cfg: dict) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to float32 under its HF name(s), each llama.cpp rewrite undone."""
+    arch, _ = _arch(reader)
+    raw = {t.name: _dequantized(t) for t in reader.tensors if t.name not in _IGNORED}
+    _join_split_kv_b(raw)
     out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is None:
-            continue
-        arr = dequantize(t.data, t.tensor_type)
-        if arr.dtype != np.float32 or not arr.flags.writeable:  # F32 tensors come back as file views
-            arr = np.array(arr, dtype=np.float32)
-        w = torch.from_numpy(arr)
-        proj = name.split(".")[-2]
-        if permuted and proj in heads:
-            w = unpermute_rope_rows(w, heads[proj])
-        out[name] = w.contiguous()
+    for name, w in raw.items():
+        out.update(_hf_tensors(name, w, arch, cfg))
     return out
 
 
@@ -195,15 +409,10 @@ def _pre_tokenizer(pre: str | None) -> Any:
     return pt.ByteLevel(add_prefix_space=False, use_regex=True)
 
 
-def build_gguf_tokenizer(reader: Any) -> tuple[Any, dict]:
-    """Build a byte-level BPE `tokenizers.Tokenizer` from GGUF metadata, plus its special-token facts."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+def _byte_level_bpe(reader: Any, tokens: list[str], types: list[int]) -> Any:
+    """`tokenizer.ggml.model == "gpt2"`: GPT-2 style byte-level BPE with the file's merges."""
+    from tokenizers import Tokenizer, decoders, models
 
-    kind = field(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-    tokens: list[str] = field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab = {}
@@ -213,16 +422,105 @@ def build_gguf_tokenizer(reader: Any) -> tuple[Any, dict]:
     backend = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = _pre_tokenizer(field(reader, "tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
-    # 3 = CONTROL (special, never split), 4 = USER_DEFINED (matched whole, but ordinary text).
+    return backend
+
+
+_SPM_SPACE = "\u2581"  # sentencepiece spells " " as "▁"
+# Pieces sentencepiece may build by merging: normal and user-defined. Never unknown (2),
+# control (3), unused (5) or byte (6) pieces.
+_SPM_MERGEABLE = (1, 4)
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to sentencepiece's (and llama.cpp's) encoding, best first.
+
+    Sentencepiece BPE stores no merges: it repeatedly joins the adjacent pair whose
+    concatenation is the highest-scoring piece in the vocabulary. A BPE model reproduces
+    that when every way of cutting a piece in two is a merge ranked by the piece's score.
+    """
+    first_id: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        first_id.setdefault(tok, i)
+    ranked = []
+    for i, (tok, ty) in enumerate(zip(tokens, types)):
+        if ty not in _SPM_MERGEABLE or first_id[tok] != i:
+            continue
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in first_id and right in first_id:
+                ranked.append((-scores[i], i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _sentencepiece_bpe(reader: Any, tokens: list[str], types: list[int]) -> Any:
+    """`tokenizer.ggml.model == "llama"`: sentencepiece BPE as llama.cpp runs it.
+
+    Spaces become "▁"; with `add_space_prefix` (llama.cpp's default) every run of text
+    that starts the input or follows a special token gets one "▁" in front; characters
+    missing from the vocabulary fall back to their UTF-8 bytes (`<0xXX>` pieces). The
+    text is never split into words first, so multi-space pieces can match.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    unk_id = field(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    backend = Tokenizer(models.BPE(vocab, spm_merges(tokens, scores, types), unk_token=unk,
+                                   fuse_unk=True, byte_fallback=True))
+    space_prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True))
+    prefix = [normalizers.Prepend(_SPM_SPACE)] if space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", _SPM_SPACE)])
+    strip = [decoders.Strip(" ", 1, 0)] if space_prefix else []  # drop the prefix space again
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), *strip])
+    return backend
+
+
+# tokenizer.ggml.model -> (builder, token types that are special: skipped when decoding, never split)
+_TOKENIZER_MODELS = {
+    "gpt2": (_byte_level_bpe, (3,)),
+    "llama": (_sentencepiece_bpe, (2, 3)),
+}
+
+
+def _eos_post_processor(backend: Any, eos_id: int) -> Any:
+    """`add_eos_token`: llama.cpp appends EOS whenever special tokens are added."""
+    from tokenizers import processors
+
+    eos = backend.id_to_token(eos_id)
+    return processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A {eos} $B {eos}",
+                                         special_tokens=[(eos, eos_id)])
+
+
+def build_gguf_tokenizer(reader: Any) -> tuple[Any, dict]:
+    """Build a `tokenizers.Tokenizer` from GGUF metadata, plus its special-token facts."""
+    from tokenizers import AddedToken
+
+    kind = field(reader, "tokenizer.ggml.model")
+    if kind not in _TOKENIZER_MODELS:
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: {sorted(_TOKENIZER_MODELS)} "
+                         "(byte-level BPE 'gpt2', sentencepiece 'llama')")
+    build, special_types = _TOKENIZER_MODELS[kind]
+    tokens: list[str] = field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    backend = build(reader, tokens, types)
+    # Special tokens are never split; 4 = USER_DEFINED is matched whole, but is ordinary text.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types) if ty == 3])
+                                for t, ty in zip(tokens, types) if ty in special_types])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, ty in zip(tokens, types) if ty == 4])
     eos = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    if field(reader, "tokenizer.ggml.add_eos_token", False) and eos[0] is not None:
+        backend.post_processor = _eos_post_processor(backend, int(eos[0]))
     meta = {
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_ids": [int(e) for e in eos if e is not None],
-        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS to sentencepiece vocabularies unless the file says otherwise
+        "add_bos_token": bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
         "chat_template": field(reader, "tokenizer.chat_template"),
     }
     return backend, meta
