@@ -287,6 +287,20 @@ def test_spm_flags_and_hand_worked_merges(tmp_path):
     assert flagged.decode(ids) == "the" and flagged.encode("the", add_special_tokens=False) == ids[:-1]
 
 
+def test_spm_merges_rank_by_score_over_every_split(tmp_path):
+    """Scores, not ids, order the merges, and a piece forms from any two pieces it splits into."""
+    chars = list("abcxyz")
+    pieces = [("xy", -6.0), ("yz", -2.0),  # "yz" scores better though listed later: x|yz, not xy|z
+              ("ab", -1.0), ("bc", -5.0), ("abc", -3.0)]  # "abc" from ab+c, its second split, not a+bc
+    tokens = ["<unk>", "<s>", "</s>", *chars, *(p for p, _ in pieces)]
+    scores = [0.0, 0.0, 0.0, *[-10.0] * len(chars), *(s for _, s in pieces)]
+    types = [2, 3, 3, *[1] * (len(chars) + len(pieces))]
+    tok = Tokenizer.from_gguf(GGUFReader(write_spm_tokenizer_gguf(
+        str(tmp_path / "m.gguf"), tokens, scores, types, bos=1, eos=2, unk=0, add_space_prefix=False)))
+    spell = [tok.id_to_token(i) for i in tok.encode("xyz abc", add_special_tokens=False)]
+    assert spell == ["x", "yz", "<unk>", "abc"]  # no "▁" piece and no byte pieces: unknown
+
+
 # ---- bad input -----------------------------------------------------------------------------
 
 
