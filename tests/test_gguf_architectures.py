@@ -23,6 +23,7 @@ from gguf_export import (export_model, sentencepiece_vocab, tiny_spm_vocab, writ
                          write_spm_tokenizer_gguf)
 from kvforge import LLM, SamplingParams
 from kvforge.config import ModelConfig
+from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.models.gemma import rope_by_layer_type
 from kvforge.models.loader import load_checkpoint
 from kvforge.tokenizer import Tokenizer
@@ -243,6 +244,17 @@ def test_spm_tokenizer_matches_sentencepiece(spm):
     assert tok.decode([1, *sp.encode("Hello"), 2]) == "Hello"
     unseen = tok.encode("Ω", add_special_tokens=False)
     assert [tok.id_to_token(i) for i in unseen] == ["\u2581", "<0xCE>", "<0xA9>"]
+
+
+def test_spm_streaming_detokenization(spm):
+    """Streamed one id at a time (byte pieces split characters), the text equals the whole decode."""
+    _, tok, _ = spm
+    text = "Hello world, naïve 東京 😀 Ω  end"
+    ids = tok.encode(text, add_special_tokens=False)
+    for cut in (0, 3):  # no prompt (the prefix space is dropped) / a prompt ending mid-word
+        detok = IncrementalDetokenizer(tok, ids[:cut])
+        streamed = "".join(detok.push([i]) for i in ids[cut:]) + detok.flush()
+        assert tok.decode(ids[:cut]) + streamed == text
 
 
 def test_spm_tokenizer_matches_transformers_gguf(spm):
