@@ -30,7 +30,7 @@ def _llm(path: str, **kwargs) -> LLM:
     return LLM(model=path, log_ledger=False, **kwargs)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "torch"])
 @pytest.mark.parametrize("family", LLAMA_FAMILIES)
 def test_greedy_batch_and_logits_match_transformers(tiny_model_factory, family, backend):
     path, hf = tiny_model_factory(family)

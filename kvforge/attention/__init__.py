@@ -1,24 +1,41 @@
 """Paged attention backends behind one entry point.
 
 `torch` is the reference (ground truth, every feature); `sdpa` runs the fused
-kernels of `scaled_dot_product_attention` and is the default where it applies.
-The runner puts the engine's choice in `AttentionMetadata.backend`.
+kernels of `scaled_dot_product_attention`; `cpu` serves decode rows with the
+in-place C kernel (`cpu_kernel`) and prefill chunks with SDPA. `auto` (the
+default) is `cpu` on CPU when the kernel could be built, else `sdpa`. The
+runner puts the engine's choice in `AttentionMetadata.backend`.
 """
 from __future__ import annotations
 
 import torch
 
+from kvforge.attention import cpu_kernel
+from kvforge.attention.cpu_paged import paged_attention_cpu
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.sdpa import paged_attention_sdpa
 from kvforge.attention.torch_ref import paged_attention as paged_attention_ref
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "torch")
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")
+
+
+def check_backend(name: str) -> None:
+    """Raise ValueError naming `attention_backend` when `name` is unknown or cannot run here."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+    if name == "cpu" and not cpu_kernel.available():
+        raise ValueError(f"attention_backend 'cpu' is unavailable: {cpu_kernel.unavailable_reason()}")
 
 
 def paged_attention(
     q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,  # type: ignore[no-untyped-def]
     sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    if meta.backend == "torch" or softcap:
+    backend = meta.backend
+    if backend == "torch":
+        return paged_attention_ref(q, cache, meta, scale, sliding_window, softcap)
+    if backend == "cpu" or (backend == "auto" and not q.is_cuda and cpu_kernel.available()):
+        return paged_attention_cpu(q, cache, meta, scale, sliding_window, softcap)
+    if softcap:
         return paged_attention_ref(q, cache, meta, scale, sliding_window, softcap)
     return paged_attention_sdpa(q, cache, meta, scale, sliding_window)

@@ -27,7 +27,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     seed: int = 0
-    attention_backend: str = "auto"  # "torch" (reference), "sdpa" (fused kernels), "auto"
+    attention_backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "cpu" (in-place C decode), "auto"
     log_ledger: bool = True
 
     def __post_init__(self) -> None:
@@ -41,8 +41,9 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.attention_backend not in ("auto", "sdpa", "torch"):
-            raise ValueError(f"attention_backend must be one of auto, sdpa, torch; got {self.attention_backend!r}")
+        from kvforge.attention import check_backend  # torch-heavy: imported only when an engine is configured
+
+        check_backend(self.attention_backend)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -82,8 +83,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "torch"),
-                   help="torch = reference implementation; sdpa = fused kernels (default where it applies)")
+    g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "sdpa", "torch"),
+                   help="auto (default) = cpu on CPU when a C compiler is present, else sdpa; cpu = in-place C decode "
+                        "kernel + SDPA prefill; sdpa = PyTorch fused kernels; torch = reference implementation")
 
 
 def engine_args_from_cli(args: argparse.Namespace, **overrides: object) -> EngineArgs:

@@ -1,0 +1,89 @@
+"""The in-place CPU decode kernel against the reference decode (the torch backend's ground truth)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvforge.attention import cpu_kernel
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.torch_ref import decode_attention
+from kvforge.kv.cache_tensors import DenseKVCache
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _decode_batch(dtype, heads, kv_heads, d, dv, block_size, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nbs = [-(-n // block_size) for n in lens]
+    num_blocks = sum(nbs) + 3
+    cache = DenseKVCache(num_blocks, block_size, kv_heads, d, dv, dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # scattered, never in order
+    tables = torch.zeros(len(lens), max(nbs), dtype=torch.long)  # padded with block 0, as the runner does
+    for i, n in enumerate(nbs):
+        tables[i, :n] = torch.tensor(ids[:n])
+        ids = ids[n:]
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long), len(lens), tables, torch.tensor(lens))
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,dv,block_size",
+    [(9, 3, 64, 64, 16), (4, 4, 32, 32, 4), (8, 1, 40, 40, 16), (6, 2, 48, 24, 1), (2, 1, 16, 16, 5)],
+    ids=["gqa", "mha", "mqa-d40", "dv-differs-bs1", "odd-block"],
+)
+def test_kernel_matches_reference(dtype, heads, kv_heads, d, dv, block_size):
+    q, cache, meta = _decode_batch(dtype, heads, kv_heads, d, dv, block_size, lens=[1, 7, 16, 17, 100, 333])
+    ref = decode_attention(q, cache, meta, d**-0.5)
+    out = cpu_kernel.paged_decode(q, cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, d**-0.5)
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("window,softcap", [(5, None), (64, None), (None, 30.0), (24, 50.0)])
+def test_kernel_windows_and_softcap(window, softcap):
+    q, cache, meta = _decode_batch(torch.float32, 8, 2, 32, 32, 4, lens=[3, 24, 25, 90])
+    ref = decode_attention(q * 8, cache, meta, 0.2, window, softcap)  # large logits: soft-capping matters
+    out = cpu_kernel.paged_decode(q * 8, cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, 0.2,
+                                  window, softcap)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)  # logits of ~50: fp32 rounding grows
+
+
+def test_kernel_rejects_indices_outside_the_pool():
+    q, cache, meta = _decode_batch(torch.float32, 2, 1, 16, 16, 4, lens=[5, 9])
+    bad = meta.decode_block_tables.clone()
+    bad[1, 0] = cache.num_blocks
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernel.paged_decode(q, cache.k, cache.v, bad, meta.decode_seq_lens, 0.25)
+    too_long = meta.decode_seq_lens + 100
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernel.paged_decode(q, cache.k, cache.v, meta.decode_block_tables, too_long, 0.25)
+
+
+def test_without_the_kernel_auto_falls_back_and_cpu_is_refused(tmp_path):
+    code = (
+        "from kvforge.attention import cpu_kernel, check_backend\n"
+        "assert not cpu_kernel.available(), 'kernel should be disabled'\n"
+        "check_backend('auto')\n"
+        "try:\n    check_backend('cpu')\nexcept ValueError as e:\n    print(e)\n"
+    )
+    env = dict(os.environ, KVFORGE_CPU_KERNEL="0", KVFORGE_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "attention_backend 'cpu' is unavailable" in out and "KVFORGE_CPU_KERNEL=0" in out
+
+
+def test_kernel_builds_into_a_fresh_cache_dir(tmp_path):
+    code = "from kvforge.attention import cpu_kernel\nprint(cpu_kernel.available(), cpu_kernel.unavailable_reason())\n"
+    env = dict(os.environ, KVFORGE_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == "True", out
+    assert list((tmp_path / "kernels").glob("paged_decode-*.so"))
