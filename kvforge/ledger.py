@@ -223,7 +223,9 @@ def max_concurrency(
     """How many sequences of `seq_len` tokens fit at once in `memory_bytes` of KV memory.
 
     Hybrid local/global models are counted as the engine caches them: per-group pools split by
-    `split_kv_blocks` (which needs the scheduler limits), the tightest group deciding.
+    `split_kv_blocks` (which needs the scheduler limits). The full-attention group decides: a windowed
+    group holds either its reservation (room for any max_num_seqs sequences) or as many blocks as the
+    single-table pool, and a sequence needs no more of its blocks than of the full group's.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -231,7 +233,7 @@ def max_concurrency(
     if len(groups) > 1:
         n = num_blocks_for_memory(memory_bytes, shape, block_size, fmt)
         split = split_kv_blocks(shape, fmt, block_size, n, max_num_seqs, max_num_batched_tokens)
-        return min(g.num_blocks // group_blocks_per_sequence(g.window, seq_len, block_size) for g in split)
+        return split[0].num_blocks // blocks_per_sequence(seq_len, block_size)
     if not shape.sliding_windows:  # the block pool's own arithmetic, so the numbers agree exactly
         return num_blocks_for_memory(memory_bytes, shape, block_size, fmt) // blocks_per_sequence(seq_len, block_size)
     return int(memory_bytes // kv_bytes_for_sequence_paged(shape, seq_len, fmt, block_size))
@@ -312,10 +314,6 @@ def kv_bytes_for_groups(shape: KVShape, groups: list[KVGroup], block_size: int, 
     return int(math.ceil(sum(len(g.layers) * g.num_blocks * layer_block for g in groups)))
 
 
-def group_blocks_per_sequence(window: int | None, seq_len: int, block_size: int) -> int:
-    """Blocks one sequence of `seq_len` tokens holds between steps in a group (windowed: the window + 1)."""
-    full = blocks_per_sequence(seq_len, block_size)
-    return full if window is None else min(full, -(-window // block_size) + 1)
 
 
 def kv_memory_budget(gpu_memory: int, utilization: float, weights_bytes: int, activation_bytes: int = 0) -> int:
