@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from conftest import prefill_then_decode
 from kvforge import ledger
 from kvforge.config import SchedulerConfig
 from kvforge.engine.request import Request
@@ -28,17 +29,6 @@ GEMMA2_LIKE = KVShape(3, 2, 16, sliding_windows=(WINDOW, None, WINDOW))
 
 def _kv(full: int = 32, local: int = 12) -> HybridKVCacheManager:
     return HybridKVCacheManager([KVGroup(None, (1,), full), KVGroup(WINDOW, (0, 2), local)], BS)
-
-
-def _run(kv, req: Request, steps: int) -> None:
-    """Prefill `req` whole, then decode `steps` tokens, as the scheduler would."""
-    assert kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens) is not None
-    req.num_computed_tokens = req.num_tokens
-    for _ in range(steps):
-        req.append_token(7)
-        assert kv.allocate_slots(req, 1) is not None
-        req.num_computed_tokens += 1
-        kv.check_integrity()
 
 
 def test_groups_and_split():
@@ -59,7 +49,7 @@ def test_groups_and_split():
 def test_local_group_frees_behind_the_window_and_global_keeps_everything():
     kv = _kv()
     a = Request("a", list(range(24)), SamplingParams())
-    _run(kv, a, 10)  # 34 tokens: the local group freed blocks ending before 33 - 8
+    prefill_then_decode(kv, a, 10)  # 34 tokens: the local group freed blocks ending before 33 - 8
     full, local = kv.managers[0].tables["a"], kv.managers[1].tables["a"]
     assert WINDOW_FREED not in full and len(full) == 9
     assert local[:6] == [WINDOW_FREED] * 6 and WINDOW_FREED not in local[6:]
@@ -85,7 +75,7 @@ def test_prefix_hit_needs_only_the_window_blocks_of_the_local_group():
     kv = _kv()
     prompt = list(range(100, 124))  # 6 full blocks
     a = Request("a", prompt, SamplingParams())
-    _run(kv, a, 10)
+    prefill_then_decode(kv, a, 10)
     local = kv.managers[1]
     # evict the local chain head (blocks 0-3, freed first) while blocks 4 and 5 stay cached
     assert [b.block_id for b in local.pool.free_queue.values()] == [9, 10, 11, 0, 1, 2, 3, 4, 5]
@@ -111,7 +101,7 @@ def test_prefix_hit_needs_only_the_window_blocks_of_the_local_group():
 def test_fork_copy_on_write_is_per_group():
     kv = _kv()
     parent = Request("p", list(range(6)), SamplingParams())
-    _run(kv, parent, 0)
+    prefill_then_decode(kv, parent, 0)
     child = Request("p#1", list(range(6)), SamplingParams())
     child.num_computed_tokens = 6
     kv.fork(parent, child)
@@ -131,7 +121,7 @@ def test_fork_copy_on_write_is_per_group():
 def test_reset_is_refused_while_any_group_holds_blocks():
     kv = _kv()
     a = Request("a", list(range(9)), SamplingParams())
-    _run(kv, a, 0)
+    prefill_then_decode(kv, a, 0)
     assert not kv.reset_prefix_cache()
     kv.free(a)
     assert kv.reset_prefix_cache()
