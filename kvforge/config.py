@@ -99,9 +99,10 @@ class ModelConfig:
     def block_free_window(self) -> int | None:
         """Window after which a request's old blocks can go back to the pool, or None.
 
-        One block table spans every layer, so a block is dead only when no layer can see it:
-        that needs every layer windowed (the widest window decides). Hybrid local/global
-        models (Gemma 2/3) keep their blocks for the global layers.
+        With one block table for every layer a block is dead only when no layer can see it:
+        that needs every layer windowed (the widest window decides), as in
+        `ledger.kv_cache_groups`. Hybrid local/global models (Gemma 2/3) get one table per
+        window group instead (`kvforge.kv.hybrid`), so None here.
         """
         if not self.sliding_windows or any(w is None for w in self.sliding_windows):
             return None

@@ -24,6 +24,8 @@ ELEMENT_BYTES: dict[str, float] = {
     "int4": 0.5,
 }
 SCALE_BYTES = 4  # scales are stored as float32
+DEFAULT_MAX_NUM_SEQS = 64  # the engine's scheduler defaults (EngineArgs), which size hybrid models' group pools
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZED_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
 
 
@@ -215,14 +217,103 @@ def kv_bytes_for_sequence_paged(
 
 
 def max_concurrency(
-    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> int:
-    """How many sequences of `seq_len` tokens fit at once in `memory_bytes` of KV memory."""
+    """How many sequences of `seq_len` tokens fit at once in `memory_bytes` of KV memory.
+
+    Hybrid local/global models are counted as the engine caches them: per-group pools split by
+    `split_kv_blocks` (which needs the scheduler limits). The full-attention group decides: a windowed
+    group holds either its reservation (room for any max_num_seqs sequences) or as many blocks as the
+    single-table pool, and a sequence needs no more of its blocks than of the full group's.
+    """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
+    groups = kv_cache_groups(shape)
+    if len(groups) > 1:
+        n = num_blocks_for_memory(memory_bytes, shape, block_size, fmt)
+        split = split_kv_blocks(shape, fmt, block_size, n, max_num_seqs, max_num_batched_tokens)
+        return split[0].num_blocks // blocks_per_sequence(seq_len, block_size)
     if not shape.sliding_windows:  # the block pool's own arithmetic, so the numbers agree exactly
         return num_blocks_for_memory(memory_bytes, shape, block_size, fmt) // blocks_per_sequence(seq_len, block_size)
     return int(memory_bytes // kv_bytes_for_sequence_paged(shape, seq_len, fmt, block_size))
+
+
+# ---- KV cache groups (hybrid local/global models) ------------------------------------------------
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share one block table because they share an attention window (None = full attention).
+
+    A hybrid model (Gemma 2/3, Qwen2 with max_window_layers) gets one group per window so the local
+    layers can return blocks that left their window while the global layers keep theirs.
+    """
+
+    window: int | None
+    layers: tuple[int, ...]
+    num_blocks: int = 0
+
+
+def kv_cache_groups(shape: KVShape) -> list[KVGroup]:
+    """Layers partitioned by window, the full-attention group first; block counts are left at 0.
+
+    Without a full-attention layer every block is dead once outside the widest window, so such a
+    model (Mistral, or no windows at all) keeps one group: one table for all layers, as before.
+    """
+    windows = [shape.window_of(i) for i in range(shape.num_layers)]
+    if None not in windows:
+        return [KVGroup(max(windows), tuple(range(shape.num_layers)))]  # type: ignore[type-var]
+    if all(w is None for w in windows):
+        return [KVGroup(None, tuple(range(shape.num_layers)))]
+    keys = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+    return [KVGroup(w, tuple(i for i, lw in enumerate(windows) if lw == w)) for w in keys]
+
+
+def window_block_reservation(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most blocks `max_num_seqs` sequences can hold at once in a group windowed at `window` tokens.
+
+    The freeing rule (`KVCacheManager._free_blocks_outside_window`, applied to every running request
+    before each step's allocations) leaves a sequence with c computed tokens the blocks from
+    (c - window) // B on. Scheduled for n new tokens it holds at most ceil((window + n) / B) + 1 blocks
+    (the +1: c - window need not be block-aligned), <= ceil(window / B) + ceil(n / B) + 1; an
+    unscheduled one at most ceil(window / B) + 1. The n of one step sum to at most
+    max_num_batched_tokens, so sum ceil(n / B) <= ceil(max_num_batched_tokens / B) + max_num_seqs.
+    """
+    return max_num_seqs * (-(-window // block_size) + 2) + -(-max_num_batched_tokens // block_size)
+
+
+def split_kv_blocks(
+    shape: KVShape, fmt: KVCacheFormat | str, block_size: int, num_blocks: int,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+) -> list[KVGroup]:
+    """Per-group block counts for the memory of `num_blocks` single-table blocks (the engine's pool sizes).
+
+    A windowed group gets min(num_blocks, its reservation): it can never need more. Every layer's block
+    costs the same bytes, so the layer-blocks the windowed groups do not take go to the full-attention
+    group; capacity is never below the single-table design's and the total never above its bytes.
+    """
+    groups = kv_cache_groups(shape)
+    if len(groups) == 1:
+        return [KVGroup(groups[0].window, groups[0].layers, num_blocks)]
+    full, *windowed = groups
+    spare = 0  # layer-blocks given up by the windowed groups
+    out = []
+    for g in windowed:
+        assert g.window is not None
+        n = min(num_blocks, window_block_reservation(g.window, block_size, max_num_seqs, max_num_batched_tokens))
+        spare += (num_blocks - n) * len(g.layers)
+        out.append(KVGroup(g.window, g.layers, n))
+    return [KVGroup(None, full.layers, num_blocks + spare // len(full.layers)), *out]
+
+
+def kv_bytes_for_groups(shape: KVShape, groups: list[KVGroup], block_size: int, fmt: KVCacheFormat | str = "float16") -> int:
+    """Bytes the per-group caches allocate: each layer holds its group's blocks."""
+    if isinstance(fmt, str):
+        fmt = KVCacheFormat.uniform(fmt)
+    layer_block = _layer_block_bytes(shape, fmt, block_size)
+    return int(math.ceil(sum(len(g.layers) * g.num_blocks * layer_block for g in groups)))
+
+
 
 
 def kv_memory_budget(gpu_memory: int, utilization: float, weights_bytes: int, activation_bytes: int = 0) -> int:

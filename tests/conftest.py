@@ -31,3 +31,15 @@ def assert_no_leaks(engine) -> None:
     engine.check_integrity()
     assert engine.pool.num_free_blocks == engine.pool.num_blocks, "KV blocks leaked"
     assert not engine.has_unfinished_requests()
+
+
+def prefill_then_decode(kv, req, steps: int) -> None:
+    """Prefill `req` whole, then decode `steps` tokens (token id 7) as the scheduler would, checking the KV
+    manager's invariants after each step."""
+    assert kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens) is not None
+    req.num_computed_tokens = req.num_tokens
+    for _ in range(steps):
+        req.append_token(7)
+        assert kv.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        kv.check_integrity()

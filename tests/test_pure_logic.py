@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ["kvforge.ledger", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.manager",
+PURE = ["kvforge.ledger", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.manager", "kvforge.kv.hybrid",
         "kvforge.kv.explain", "kvforge.engine.scheduler", "kvforge.engine.request", "kvforge.engine.sampling_params"]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, prefill_then_decode
 from kvforge import LLM, SamplingParams
 from kvforge.config import ModelConfig
 from kvforge.engine.request import Request
@@ -98,22 +98,11 @@ def test_hybrid_or_unwindowed_models_do_not_free():
     assert ModelConfig.from_hf(qwen2).block_free_window is None
 
 
-def _run(kv: KVCacheManager, req: Request, steps: int) -> None:
-    """Prefill `req` whole, then decode `steps` tokens (token id 7) as the scheduler would."""
-    assert kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens) is not None
-    req.num_computed_tokens = req.num_tokens
-    for _ in range(steps):
-        req.append_token(7)
-        assert kv.allocate_slots(req, 1) is not None
-        req.num_computed_tokens += 1
-        kv.check_integrity()
-
-
 def test_window_freed_blocks_stay_hittable_until_evicted():
     kv = KVCacheManager(BlockPool(12), BS, sliding_window=WINDOW)
     prompt = list(range(100, 124))  # 6 full blocks
     a = Request("a", prompt, SamplingParams())
-    _run(kv, a, 10)  # 34 tokens: blocks ending before 33 - 12 = 21 are dead -> blocks 0..4 freed
+    prefill_then_decode(kv, a, 10)  # 34 tokens: blocks ending before 33 - 12 = 21 are dead -> blocks 0..4 freed
     table = kv.tables["a"]
     assert table[:5] == [WINDOW_FREED] * 5 and WINDOW_FREED not in table[5:]
     assert kv.num_held_blocks("a") == len(table) - 5 and kv.pool.num_free_blocks == 12 - len(table) + 5
@@ -142,14 +131,14 @@ def test_window_freed_blocks_stay_hittable_until_evicted():
 def test_fork_and_free_skip_window_placeholders():
     kv = KVCacheManager(BlockPool(16), BS, sliding_window=8)
     a = Request("a", list(range(20)), SamplingParams())
-    _run(kv, a, 8)
+    prefill_then_decode(kv, a, 8)
     assert WINDOW_FREED in kv.tables["a"]
     child = Request("a-1", list(a.all_token_ids), SamplingParams())
     child.num_computed_tokens = a.num_computed_tokens
     kv.fork(a, child)
     kv.check_integrity()
     assert WINDOW_FREED.ref_cnt == 0
-    _run(kv, child, 6)  # the child frees its own dead blocks; shared ones stay with the parent
+    prefill_then_decode(kv, child, 6)  # the child frees its own dead blocks; shared ones stay with the parent
     kv.free(a)
     kv.free(child)
     kv.check_integrity()

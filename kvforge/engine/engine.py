@@ -22,11 +22,10 @@ from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.startup_report import StartupReport, build_startup_report
-from kvforge.kv.blocks import BlockPool
 from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
 from kvforge.kv.calibration import calibrate_static_scales
-from kvforge.kv.manager import KVCacheManager
-from kvforge.ledger import num_blocks_for_memory
+from kvforge.kv.hybrid import make_kv_manager
+from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.registry import build_model
 
 
@@ -66,19 +65,25 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes holds no block of this model's KV cache")
         max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
-        self.pool = BlockPool(num_blocks, cache_cfg.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, cache_cfg.block_size, sliding_window=cfg.block_free_window)
+        # hybrid local/global models: one pool per window group in the memory of `num_blocks` shared blocks
+        groups = split_kv_blocks(shape, self.cache_format, cache_cfg.block_size, num_blocks,
+                                 args.max_num_seqs, args.max_num_batched_tokens)
+        self.kv = make_kv_manager(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        layer_groups = {layer: g for g, group in enumerate(groups) for layer in group.layers}
         caches = make_layer_caches(
-            cfg, self.cache_format, num_blocks, cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype]
+            cfg, self.cache_format, [groups[layer_groups[i]].num_blocks for i in range(cfg.num_layers)],
+            cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
         )
-        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend)
+        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend,
+                                  [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self.report: StartupReport = build_startup_report(
-            self.model, cfg, self.cache_format, num_blocks, cache_cfg.block_size, max_model_len, caches, args
+            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, args
         )
         if args.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)

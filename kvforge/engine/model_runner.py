@@ -14,15 +14,18 @@ from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult, sample
 from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.kv.hybrid import HybridKVCacheManager
 from kvforge.kv.manager import KVCacheManager
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, caches: list[LayerKVCache], kv: KVCacheManager, device: torch.device, seed: int = 0,
-        attention_backend: str = "auto",
+        self, model: torch.nn.Module, caches: list[LayerKVCache], kv: KVCacheManager | HybridKVCacheManager,
+        device: torch.device, seed: int = 0, attention_backend: str = "auto", layer_groups: list[int] | None = None,
     ) -> None:
         self.model, self.caches, self.kv = model, caches, kv
+        # KV cache group of each layer (hybrid local/global models); None: one table for every layer
+        self.layer_groups = layer_groups
         self.attention_backend = attention_backend
         self.block_size = kv.block_size
         self.device = device
@@ -33,21 +36,40 @@ class ModelRunner:
         pos = torch.arange(start, end)
         return torch.tensor(table)[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Returns input ids, positions, metadata and the flattened order of `chunks` used."""
+    def prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | list[AttentionMetadata], list[int]]:
+        """Returns input ids, positions, metadata and the flattened order of `chunks` used.
+
+        The metadata is one `AttentionMetadata`, or with several KV cache groups one per layer: each
+        layer gets its group's (its own slots and block tables; ids and positions are shared).
+        """
         decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
         prefills = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
+        ids: list[int] = [chunks[i].request.all_token_ids[chunks[i].start] for i in decodes]
+        positions = [torch.tensor([chunks[i].start for i in decodes], dtype=torch.int64)]
+        for i in prefills:
+            c = chunks[i]
+            ids.extend(c.request.all_token_ids[c.start : c.start + c.num_tokens])
+            positions.append(torch.arange(c.start, c.start + c.num_tokens))
+        tables = [self.kv.group_block_tables(c.request.request_id) for c in chunks]
+        metas = [self._metadata(chunks, decodes, prefills, [t[g] for t in tables]) for g in range(len(tables[0]))]
+        meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
+        if self.layer_groups is not None:
+            meta = [metas[g] for g in self.layer_groups]
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return input_ids, torch.cat(positions).to(self.device), meta, decodes + prefills
+
+    def _metadata(
+        self, chunks: list[ScheduledChunk], decodes: list[int], prefills: list[int], tables: list[list[int]]
+    ) -> AttentionMetadata:
+        """Slot mapping and block tables of one KV cache group (`tables[i]`: chunk i's table)."""
         slots: list[torch.Tensor] = []
-        tables = [self.kv.block_table(c.request.request_id) for c in chunks]
         if decodes:
             width = max(len(tables[i]) for i in decodes)
             padded = [tables[i] + [0] * (width - len(tables[i])) for i in decodes]
             dec_tables = torch.tensor(padded, dtype=torch.int64)
             pos = torch.tensor([chunks[i].start for i in decodes], dtype=torch.int64)
-            ids.extend(chunks[i].request.all_token_ids[chunks[i].start] for i in decodes)
-            positions.append(pos)
             slots.append(dec_tables.gather(1, (pos // self.block_size)[:, None])[:, 0] * self.block_size + pos % self.block_size)
             seq_lens = pos + 1
         else:
@@ -55,33 +77,30 @@ class ModelRunner:
             seq_lens = torch.zeros(0, dtype=torch.int64)
         meta_prefills = []
         row = len(decodes)
+        dev = self.device
         for i in prefills:
             c = chunks[i]
             end = c.start + c.num_tokens
-            ids.extend(c.request.all_token_ids[c.start : end])
-            positions.append(torch.arange(c.start, end))
             slots.append(self._slots(tables[i], c.start, end))
             meta_prefills.append(
-                PrefillChunk(slice(row, row + c.num_tokens), c.start, end, torch.tensor(tables[i], dtype=torch.int64))
+                PrefillChunk(slice(row, row + c.num_tokens), c.start, end, torch.tensor(tables[i], dtype=torch.int64).to(dev))
             )
             row += c.num_tokens
-        dev = self.device
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=torch.cat(slots).to(dev),
             num_decodes=len(decodes),
             decode_block_tables=dec_tables.to(dev),
             decode_seq_lens=seq_lens.to(dev),
-            prefills=[PrefillChunk(p.rows, p.start, p.seq_len, p.block_table.to(dev)) for p in meta_prefills],
+            prefills=meta_prefills,
             backend=self.attention_backend,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        return input_ids, torch.cat(positions).to(dev), meta, decodes + prefills
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        if out.block_copies:
-            for cache in self.caches:
-                cache.copy_blocks(out.block_copies)
+        if out.block_copies:  # each group's copies go to that group's layers only
+            by_group = self.kv.copies_by_group(out.block_copies)
+            for layer, cache in enumerate(self.caches):
+                cache.copy_blocks(by_group[self.layer_groups[layer] if self.layer_groups else 0])
         if out.is_empty:
             return {}
         chunks = out.chunks

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvforge.config import SchedulerConfig
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.kv.manager import KVCacheManager
+
+if TYPE_CHECKING:
+    from kvforge.kv.hybrid import HybridKVCacheManager
 
 
 @dataclass
@@ -33,7 +37,7 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list = field(default_factory=list)  # copy-on-write pairs; the KV manager splits them by group
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -46,7 +50,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -54,10 +58,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         # A lone request can always grow to this length, so it never preempts itself forever.
-        self.max_seq_len = min(config.max_model_len, kv.pool.num_blocks * kv.block_size)
-        window = kv.sliding_window
-        if window is not None and kv.pool.num_blocks * kv.block_size >= window + config.max_num_batched_tokens + 2 * kv.block_size:
-            self.max_seq_len = config.max_model_len  # all layers windowed: a lone request holds O(window) blocks
+        limit = kv.max_request_tokens(config.max_num_batched_tokens)  # None: windowed, O(window) blocks
+        self.max_seq_len = config.max_model_len if limit is None else min(config.max_model_len, limit)
 
     def add_request(self, req: Request) -> None:
         n = req.num_prompt_tokens
@@ -71,7 +73,7 @@ class Scheduler:
         if n >= self.max_seq_len:
             raise ValueError(
                 f"prompt has {n} tokens but the whole KV cache holds {self.max_seq_len} tokens "
-                f"({self.kv.pool.num_blocks} blocks of {self.kv.block_size}); raise kv_cache_memory or num_kv_blocks"
+                f"(blocks of {self.kv.block_size}); raise kv_cache_memory or num_kv_blocks"
             )
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
@@ -86,6 +88,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        for req in self.running:  # before any allocation, so a request the budget skips holds O(window) too
+            self.kv.release_out_of_window(req)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

@@ -5,7 +5,7 @@ the cache tensors really allocated, so a mismatch is a bug caught at start-up.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,8 +13,10 @@ from kvforge.config import ModelConfig
 from kvforge.ledger import (
     QUANTIZED_DTYPES,
     KVCacheFormat,
+    KVGroup,
     blocks_per_sequence,
     format_bytes,
+    kv_bytes_for_groups,
     kv_bytes_per_block,
     kv_bytes_per_token,
 )
@@ -36,9 +38,11 @@ class StartupReport:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    groups: list[KVGroup] = field(default_factory=list)  # hybrid models: one pool per group, full attention first
 
     @property
     def token_capacity(self) -> int:
+        """Tokens of context the cache holds: the full-attention group's blocks decide."""
         return self.num_blocks * self.block_size
 
     @property
@@ -53,13 +57,26 @@ class StartupReport:
             ("kv cache dtype", self.kv_dtype),
             ("kv bytes per token", f"{format_bytes(self.kv_bytes_per_token)} (all layers)"),
             ("kv block", f"{self.block_size} tokens = {format_bytes(self.kv_bytes_per_block)}"),
-            ("kv cache", f"{self.num_blocks} blocks = {format_bytes(self.kv_cache_bytes)}"),
+            ("kv cache", f"{self.num_blocks} blocks = {format_bytes(self.kv_cache_bytes)}" if len(self.groups) < 2
+             else f"{len(self.groups)} groups, one pool each = {format_bytes(self.kv_cache_bytes)}"),
+            *self._group_rows(),
             ("kv capacity", f"{self.token_capacity} tokens"),
             ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
             ("scheduler", f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"),
         ]
         width = max(len(k) for k, _ in rows)
         return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+    def _group_rows(self) -> list[tuple[str, str]]:
+        """One row per KV cache group of a hybrid model: which layers, and its own pool."""
+        if len(self.groups) < 2:
+            return []
+        return [
+            (f"  {'full attention' if g.window is None else f'window {g.window}'}",
+             f"{len(g.layers)} layers x {g.num_blocks} blocks")
+            for g in self.groups
+        ]
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
@@ -72,13 +89,15 @@ def weights_bytes(model: torch.nn.Module) -> int:
 
 
 def build_startup_report(
-    model: torch.nn.Module, cfg: ModelConfig, fmt: KVCacheFormat, num_blocks: int, block_size: int,
+    model: torch.nn.Module, cfg: ModelConfig, fmt: KVCacheFormat, groups: list[KVGroup], block_size: int,
     max_model_len: int, caches: list, args: object,
 ) -> StartupReport:
+    """`groups` are the KV cache groups with their block counts (`ledger.split_kv_blocks`), full attention first."""
     shape = cfg.kv_shape()
     per_block = kv_bytes_per_block(shape, block_size, fmt)
     allocated = sum(c.nbytes for c in caches)
-    assert allocated == per_block * num_blocks, f"cache allocated {allocated} B, ledger says {per_block * num_blocks} B"
+    expected = kv_bytes_for_groups(shape, groups, block_size, fmt)
+    assert allocated == expected, f"cache allocated {allocated} B, ledger says {expected} B"
     kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
     if fmt.scale_granularity:  # quantized: say how the scales are laid out ("channel" is K only)
         scales = f"per {fmt.scale_granularity}"
@@ -95,9 +114,10 @@ def build_startup_report(
         kv_bytes_per_token=kv_bytes_per_token(shape, fmt, block_size),
         block_size=block_size,
         kv_bytes_per_block=per_block,
-        num_blocks=num_blocks,
+        num_blocks=groups[0].num_blocks,
         kv_cache_bytes=allocated,
         max_model_len=max_model_len,
         max_num_seqs=getattr(args, "max_num_seqs", 0),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0),
+        groups=list(groups),
     )

@@ -5,6 +5,8 @@ latent (MLA) layouts plug in here without touching models or attention.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvforge.config import ModelConfig
@@ -18,10 +20,15 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 def make_layer_caches(
-    cfg: ModelConfig, fmt: KVCacheFormat, num_blocks: int, block_size: int, device: torch.device,
+    cfg: ModelConfig, fmt: KVCacheFormat, num_blocks: int | Sequence[int], block_size: int, device: torch.device,
     compute_dtype: torch.dtype | None = None,
 ) -> list[LayerKVCache]:
-    """`compute_dtype` is the model's dtype: what attention reads back (None: the cache dtype)."""
+    """`compute_dtype` is the model's dtype: what attention reads back (None: the cache dtype).
+
+    `num_blocks` is one count for every layer, or one per layer (hybrid models: each layer holds its
+    KV cache group's pool).
+    """
+    per_layer = [num_blocks] * cfg.num_layers if isinstance(num_blocks, int) else list(num_blocks)
     quantized = is_quantized(fmt.k_dtype) or is_quantized(fmt.v_dtype)
     dense_dtype = TORCH_DTYPES.get(fmt.k_dtype)
     if not cfg.kv_shape().is_mla and (
@@ -29,9 +36,9 @@ def make_layer_caches(
     ):  # K/V in their own formats (quantized, split, or stored in another dtype than the model's)
         shape = cfg.kv_shape()
         return [
-            QuantizedKVCache(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim,
+            QuantizedKVCache(n, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim,
                              fmt.k_dtype, fmt.v_dtype, fmt.scale_granularity, compute_dtype or torch.float32, device)
-            for _ in range(cfg.num_layers)
+            for n in per_layer
         ]
     if fmt.k_dtype not in TORCH_DTYPES or fmt.v_dtype != fmt.k_dtype:
         raise ValueError(f"kv_cache_dtype {fmt.k_dtype!r}/{fmt.v_dtype!r} is not supported by this build")
@@ -40,11 +47,11 @@ def make_layer_caches(
     if shape.is_mla:  # MLA caches one latent per token (c_kv + shared rope key), not K/V per head
         rank = int(cfg.extra["kv_lora_rank"])
         return [
-            LatentKVCache(num_blocks, block_size, rank, shape.mla_latent_dim - rank, dtype, device, compute_dtype)
-            for _ in range(cfg.num_layers)
+            LatentKVCache(n, block_size, rank, shape.mla_latent_dim - rank, dtype, device, compute_dtype)
+            for n in per_layer
         ]
     workspace = GatherWorkspace()  # one set of gather buffers for all layers
     return [
-        DenseKVCache(num_blocks, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim, dtype, device, workspace)
-        for _ in range(cfg.num_layers)
+        DenseKVCache(n, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim, dtype, device, workspace)
+        for n in per_layer
     ]

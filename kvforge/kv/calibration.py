@@ -64,7 +64,7 @@ def calibrate_static_scales(engine: Any, token_ids: list[int] | None = None, hea
         raise RuntimeError("cannot recalibrate KV scales while requests hold KV blocks")
     if token_ids is None:
         token_ids = calibration_token_ids(engine.tokenizer, engine.model_config.vocab_size)
-    max_tokens = engine.pool.num_blocks * engine.kv.block_size
+    max_tokens = engine.kv.capacity_tokens  # one allocation: the smallest group's pool (hybrid models)
     token_ids = list(token_ids)[:max_tokens]
     for store in stores:
         store.set_static_scale(None)  # the next write (the calibration prefill) sets it

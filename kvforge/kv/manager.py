@@ -66,7 +66,7 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, sliding_window: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.sliding_window = sliding_window  # set only when every layer is windowed (ModelConfig.block_free_window)
+        self.sliding_window = sliding_window  # every layer this table serves is windowed (a Mistral, a local group)
         self.tables: dict[str, list[KVBlock]] = {}
         self.hashes: dict[str, list[BlockHash]] = {}
         self.num_published: dict[str, int] = {}
@@ -79,6 +79,29 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def group_block_tables(self, request_id: str) -> list[list[int]]:
+        """One block table per KV cache group: here the one table every layer reads."""
+        return [self.block_table(request_id)]
+
+    def copies_by_group(self, copies: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        """The copy-on-write copies `allocate_slots` returned, per KV cache group (here one)."""
+        return [copies]
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens one allocation can ever hold at once (no window freeing mid-allocation)."""
+        return self.pool.num_blocks * self.block_size
+
+    def max_request_tokens(self, max_num_batched_tokens: int) -> int | None:
+        """Longest request a lone request can grow to, or None when window freeing bounds its blocks.
+
+        A windowed table holds the window, one chunk and two partly dead or partly written blocks.
+        """
+        window = self.sliding_window
+        if window is not None and self.capacity_tokens >= window + max_num_batched_tokens + 2 * self.block_size:
+            return None
+        return self.capacity_tokens
 
     def _block_hashes(self, req: Request) -> list[BlockHash]:
         hashes = self.hashes.setdefault(req.request_id, [])
@@ -93,15 +116,21 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        bs = self.block_size
-        max_blocks = (req.num_tokens - 1) // bs
         hits: list[KVBlock] = []
-        for i, h in enumerate(self._block_hashes(req)[:max_blocks]):
-            block = self.pool.get_cached_block(h, req.all_token_ids[i * bs : (i + 1) * bs])
-            if block is None:
-                break
+        for block in self.cached_blocks(req, (req.num_tokens - 1) // self.block_size, stop_at_miss=True):
+            assert block is not None
             hits.append(block)
-        return hits, len(hits) * bs
+        return hits, len(hits) * self.block_size
+
+    def cached_blocks(self, req: Request, num_blocks: int, stop_at_miss: bool = False) -> list[KVBlock | None]:
+        """This pool's cached block (or None) for each of `req`'s first `num_blocks` full blocks."""
+        bs, out = self.block_size, []
+        for i, h in enumerate(self._block_hashes(req)[:num_blocks]):
+            block = self.pool.get_cached_block(h, req.all_token_ids[i * bs : (i + 1) * bs])
+            if block is None and stop_at_miss:
+                break
+            out.append(block)
+        return out
 
     def record_lookup(self, req: Request, num_cached: int) -> None:
         """Count an admitted request's lookup; called once per admission, never for a failed attempt."""
@@ -121,17 +150,26 @@ class KVCacheManager:
         Returns block copies (src, dst) that copy-on-write requires before this step's writes.
         """
         computed_blocks = computed_blocks or []
-        table = self.tables.setdefault(req.request_id, [])
-        self._free_blocks_outside_window(req, table)  # dead whatever happens next: no future query sees them
+        self.release_out_of_window(req)  # dead whatever happens next: no future query sees them
+        if not self.can_allocate(req, num_new_tokens, computed_blocks):
+            return None
+        return self.commit_slots(req, num_new_tokens, computed_blocks)
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock]) -> bool:
+        """Whether `commit_slots` would find enough free blocks; changes nothing."""
+        table = self.tables.get(req.request_id, [])
         num_new_blocks = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
         cow = self._needs_copy_on_write(req, table, num_new_tokens)
-        # Hit blocks sitting in the free queue stop being free once touched.
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + int(cow) > self.pool.num_free_blocks - reclaimed:
-            if not table:
-                del self.tables[req.request_id]
-            return None
-        self.pool.touch(computed_blocks)
+        # Hit blocks sitting in the free queue stop being free once touched (window placeholders are not blocks).
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0 and b is not WINDOW_FREED)
+        return num_new_blocks + int(cow) <= self.pool.num_free_blocks - reclaimed
+
+    def commit_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock]) -> list[tuple[int, int]]:
+        """Take the hit blocks and new blocks `can_allocate` just approved; returns the copy-on-write copies."""
+        table = self.tables.setdefault(req.request_id, [])
+        num_new_blocks = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
+        cow = self._needs_copy_on_write(req, table, num_new_tokens)
+        self.pool.touch(b for b in computed_blocks if b is not WINDOW_FREED)
         table.extend(computed_blocks)
         copies: list[tuple[int, int]] = []
         if cow:
@@ -147,6 +185,16 @@ class KVCacheManager:
         self.num_published.setdefault(req.request_id, len(computed_blocks))
         self._publish_full_blocks(req, (num_computed + num_new_tokens) // self.block_size)
         return copies
+
+    def release_out_of_window(self, req: Request) -> None:
+        """Free `req`'s blocks that no future query can see (windowed tables only; a no-op otherwise).
+
+        The scheduler calls this for every running request before a step's allocations, so a request
+        the step's token budget leaves out holds no more than its window either.
+        """
+        table = self.tables.get(req.request_id)
+        if table:
+            self._free_blocks_outside_window(req, table)
 
     def _free_blocks_outside_window(self, req: Request, table: list[KVBlock]) -> None:
         """Return blocks wholly before every future query's window to the pool, keeping their table slots.

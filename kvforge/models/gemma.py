@@ -12,7 +12,8 @@ What differs from Llama, each matching transformers' Gemma2/Gemma3 modeling:
 - `layer_types` (or the older sliding_window_pattern) alternate sliding and global layers.
 
 The caches are ordinary K/V caches; sliding layers pass their window to the attention mask.
-One block table spans all layers, so global layers keep every block (no window freeing).
+Local and global layers are separate KV cache groups (kvforge.kv.hybrid): each layer receives its
+group's metadata, so local layers read tables whose out-of-window blocks went back to their pool.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention import paged_attention
 from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import LayerKVCache
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, per_layer_metadata
 from kvforge.models.llama import LlamaForCausalLM
 
 
@@ -123,13 +124,15 @@ class GemmaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKVCache], meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKVCache],
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # rounded to the dtype, as HF does
         rope = {True: self.rotary_local(positions, x.dtype), False: self.rotary_global(positions, x.dtype)}
-        for layer, cache in zip(self.model.layers, caches):
-            x = layer(x, *rope[layer.is_sliding], cache, meta)
+        metas = per_layer_metadata(meta, len(self.model.layers))
+        for layer, cache, layer_meta in zip(self.model.layers, caches, metas):
+            x = layer(x, *rope[layer.is_sliding], cache, layer_meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

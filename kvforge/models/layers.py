@@ -7,6 +7,16 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from kvforge.attention.metadata import AttentionMetadata
+
+
+def per_layer_metadata(
+    meta: AttentionMetadata | list[AttentionMetadata], num_layers: int
+) -> list[AttentionMetadata]:
+    """The runner passes one metadata for every layer, or one per layer when the layers' KV cache
+    groups differ (hybrid local/global models: each group has its own slots and block tables)."""
+    return meta if isinstance(meta, list) else [meta] * num_layers
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 like transformers; `offset=1` is Gemma's (1 + w) form."""

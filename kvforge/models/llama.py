@@ -13,7 +13,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention import paged_attention
 from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import LayerKVCache
-from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, pack_checkpoint
+from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, pack_checkpoint, per_layer_metadata
 
 
 class LlamaAttention(nn.Module):
@@ -79,12 +79,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKVCache], meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKVCache],
+        meta: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, cache in zip(self.model.layers, caches):
-            x = layer(x, cos, sin, cache, meta)
+        metas = per_layer_metadata(meta, len(self.model.layers))
+        for layer, cache, layer_meta in zip(self.model.layers, caches, metas):
+            x = layer(x, cos, sin, cache, layer_meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge import ledger
-from kvforge.ledger import KVCacheFormat, KVShape
+from kvforge.ledger import KVCacheFormat, KVGroup, KVShape
 from kvforge.planner import arch
 
 LOGIT_BYTES = 4  # logits are computed in float32 for sampling
@@ -46,6 +46,7 @@ class Capacity:
     concurrency_at_max: int
     avg_seq_len: int
     concurrency_at_avg: int
+    groups: list[KVGroup] = field(default_factory=list)  # KV cache groups, full attention first (blocks = group 0's)
 
 
 @dataclass(slots=True)
@@ -137,15 +138,24 @@ def plan_capacity(col: Column, opts: PlanOptions) -> Capacity:
     assert opts.gpu_memory is not None
     acts = activation_bytes(col.cfg, opts.max_num_batched_tokens, opts.max_num_seqs, col.weights_dtype)
     kv = ledger.kv_memory_budget(opts.gpu_memory, opts.memory_utilization, col.weights_bytes, acts)
-    blocks = ledger.num_blocks_for_memory(kv, col.shape, opts.block_size, col.fmt)
+    # the engine's own split: hybrid local/global models get one pool per window group
+    groups = ledger.split_kv_blocks(
+        col.shape, col.fmt, opts.block_size, ledger.num_blocks_for_memory(kv, col.shape, opts.block_size, col.fmt),
+        opts.max_num_seqs, opts.max_num_batched_tokens,
+    )
     max_len = opts.max_model_len or model_max_len(col.cfg)
     avg = opts.avg_seq_len or opts.seq_len
     if avg > max_len:
         raise ValueError(f"--avg-seq-len {avg} exceeds max_model_len {max_len}; raise --max-model-len")
     return Capacity(
         budget=int(opts.gpu_memory * opts.memory_utilization), weights=col.weights_bytes, activations=acts,
-        kv_memory=kv, num_blocks=blocks, num_tokens=blocks * opts.block_size, max_model_len=max_len,
-        concurrency_at_max=ledger.max_concurrency(kv, col.shape, max_len, col.fmt, opts.block_size),
-        avg_seq_len=avg,
-        concurrency_at_avg=ledger.max_concurrency(kv, col.shape, avg, col.fmt, opts.block_size),
+        kv_memory=kv, num_blocks=groups[0].num_blocks, num_tokens=groups[0].num_blocks * opts.block_size,
+        max_model_len=max_len, concurrency_at_max=concurrency(col, opts, kv, max_len),
+        avg_seq_len=avg, concurrency_at_avg=concurrency(col, opts, kv, avg), groups=groups,
     )
+
+
+def concurrency(col: Column, opts: PlanOptions, kv_memory: int, seq_len: int) -> int:
+    """Sequences of `seq_len` the pool holds at once, under the plan's scheduler limits (hybrid group split)."""
+    return ledger.max_concurrency(kv_memory, col.shape, seq_len, col.fmt, opts.block_size,
+                                  opts.max_num_seqs, opts.max_num_batched_tokens)

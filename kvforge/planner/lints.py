@@ -12,7 +12,9 @@ from typing import Any
 from kvforge import ledger
 from kvforge.ledger import format_bytes
 from kvforge.planner import arch
-from kvforge.planner.capacity import Column, PlanOptions, activation_bytes, model_max_len, prefill_transient
+from kvforge.planner.capacity import (
+    Column, PlanOptions, activation_bytes, concurrency, model_max_len, prefill_transient,
+)
 
 
 @dataclass(slots=True)
@@ -71,7 +73,7 @@ def max_model_len_waste(col: Column, opts: PlanOptions) -> Lint | None:
            f"{unused:.1%} reserved for nothing.")
     cap = col.capacity
     if cap is not None:
-        at_sugg = ledger.max_concurrency(cap.kv_memory, col.shape, suggested, col.fmt, bs)
+        at_sugg = concurrency(col, opts, cap.kv_memory, suggested)
         nums.update(concurrency_at_max=cap.concurrency_at_max, concurrency_at_suggested=at_sugg)
         msg += (f" The pool guarantees {cap.concurrency_at_max} sequences at max_model_len; "
                 f"max_model_len={suggested} would guarantee {at_sugg} (and {cap.concurrency_at_avg} at {avg}).")

@@ -6,7 +6,7 @@ stays a pure-Python, instant command. Every point comes from `kvforge.ledger`.
 from __future__ import annotations
 
 from kvforge import ledger
-from kvforge.planner.capacity import Column, PlanOptions
+from kvforge.planner.capacity import Column, PlanOptions, concurrency
 
 
 def context_lengths(longest: int) -> list[int]:
@@ -42,7 +42,7 @@ def write_plot(path: str, cols: list[Column], opts: PlanOptions) -> None:
         ax2 = axes[0][1]
         for c in cols:
             assert c.capacity is not None
-            conc = [ledger.max_concurrency(c.capacity.kv_memory, c.shape, n, c.fmt, opts.block_size) for n in xs]
+            conc = [concurrency(c, opts, c.capacity.kv_memory, n) for n in xs]
             ax2.plot(xs, [max(v, 0.5) for v in conc], marker="o", markersize=3, label=c.label)
         ax2.set(yscale="log", xlabel="context length (tokens)", ylabel="concurrent sequences",
                 title=f"Sequences that fit in the KV pool ({ledger.format_bytes(opts.gpu_memory or 0)} GPU)")

@@ -28,6 +28,15 @@ def _window_text(col: Column) -> str:
     return f"{max(windows)} on {len(windows)}/{col.shape.num_layers} layers"
 
 
+def _groups_text(col: Column) -> str:
+    """Hybrid models: each window group's own pool (the engine's split), full attention first."""
+    assert col.capacity is not None
+    groups = col.capacity.groups
+    if len(groups) < 2:
+        return "one table"
+    return ", ".join(f"{'full' if g.window is None else f'w{g.window}'} {len(g.layers)} x {g.num_blocks:,}" for g in groups)
+
+
 def _rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
     """(row label, one cell per column); a label starting with '#' is a section heading."""
     def row(label: str, fn) -> tuple[str, list[str]]:
@@ -60,6 +69,10 @@ def _rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
             row("= KV pool", lambda c: format_bytes(c.capacity.kv_memory)),
             row(f"KV blocks ({opts.block_size} tokens)", lambda c: f"{c.capacity.num_blocks:,}"),
             row("KV tokens", lambda c: f"{c.capacity.num_tokens:,}"),
+        ]
+        if any(len(c.capacity.groups) > 1 for c in cols):
+            rows.append(row("KV groups: layers x blocks", _groups_text))
+        rows += [
             row(f"sequences at max_model_len", lambda c: f"{c.capacity.concurrency_at_max:,} @ {c.capacity.max_model_len}"),
             row(f"sequences at avg length", lambda c: f"{c.capacity.concurrency_at_avg:,} @ {c.capacity.avg_seq_len}"),
         ]

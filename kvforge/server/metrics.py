@@ -44,9 +44,9 @@ class Histogram:
 
 # (kvforge name, vLLM alias or None, type, help, snapshot key or histogram attribute)
 GAUGES = [
-    ("kvforge_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (1 = full).", "usage"),
-    ("kvforge_kv_blocks_total", None, "gauge", "KV cache blocks in the pool.", "blocks_total"),
-    ("kvforge_kv_blocks_free", None, "gauge", "KV cache blocks free (cached-but-unreferenced blocks count as free).", "blocks_free"),
+    ("kvforge_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "gauge", "Fraction of KV cache bytes in use, all KV cache groups (1 = full).", "usage"),
+    ("kvforge_kv_blocks_total", None, "gauge", "KV cache blocks in the pool (summed over KV cache groups).", "blocks_total"),
+    ("kvforge_kv_blocks_free", None, "gauge", "KV cache blocks free, summed over groups (cached-but-unreferenced blocks count as free).", "blocks_free"),
     ("kvforge_requests_running", "vllm:num_requests_running", "gauge", "Requests scheduled in the running batch.", "running"),
     ("kvforge_requests_waiting", "vllm:num_requests_waiting", "gauge", "Requests waiting to be admitted.", "waiting"),
     ("kvforge_preemptions_total", "vllm:num_preemptions_total", "counter", "Requests preempted (recompute) for lack of KV blocks.", "preemptions"),
