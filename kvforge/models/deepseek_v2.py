@@ -27,6 +27,7 @@ from kvforge.attention.mla import mla_attention, split_kv_b
 from kvforge.config import ModelConfig
 from kvforge.kv.latent_cache import LatentKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, apply_rotary, rope_inv_freq
+from kvforge.models.linear import Linear
 from kvforge.models.llama import LlamaForCausalLM
 from kvforge.models.moe import DeepseekMoE, is_moe_layer
 
@@ -100,15 +101,15 @@ class DeepseekV2Attention(nn.Module):
         qk_dim = self.nope_dim + self.rope_dim
         bias = cfg.attention_bias
         if self.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(h, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
+            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk_dim, bias=False)
         else:
-            self.q_proj = nn.Linear(h, self.num_heads * qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_proj = Linear(h, self.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, h, bias=bias)
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.interleave = cfg.model_type != "deepseek_v3" or bool(x.get("rope_interleave", True))
         self.scale = qk_dim**-0.5
         s = cfg.rope_scaling or {}
@@ -162,7 +163,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         self.config = cfg
         self.model = DeepseekV2Backbone(cfg)
         self.rotary = MLARotary(cfg, int(cfg.extra["qk_rope_head_dim"]))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -25,6 +25,7 @@ from kvforge.attention import paged_attention
 from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import LayerKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, per_layer_metadata
+from kvforge.models.linear import Linear
 from kvforge.models.llama import LlamaForCausalLM
 
 
@@ -56,10 +57,10 @@ class GemmaAttention(nn.Module):
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.qk_norm = cfg.model_type.startswith("gemma3")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0)
@@ -119,7 +120,7 @@ class GemmaForCausalLM(nn.Module):
         self.rotary_global = RotaryEmbedding(cfg.head_dim, *ropes["full_attention"])
         self.rotary_local = RotaryEmbedding(cfg.head_dim, *ropes.get("sliding_attention", ropes["full_attention"]))
         self.final_softcap = cfg.extra.get("final_logit_softcapping") or None
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -8,6 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.models.linear import Linear
 
 
 def per_layer_metadata(
@@ -89,8 +90,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported (supported: {sorted(ACTIVATIONS)})")
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)  # loaded from HF gate_proj + up_proj
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)  # loaded from HF gate_proj + up_proj
+        self.down_proj = Linear(inter, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

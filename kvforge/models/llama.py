@@ -14,6 +14,7 @@ from kvforge.attention import paged_attention
 from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import LayerKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, pack_checkpoint, per_layer_metadata
+from kvforge.models.linear import Linear
 
 
 class LlamaAttention(nn.Module):
@@ -29,8 +30,8 @@ class LlamaAttention(nn.Module):
         h = cfg.hidden_size
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v in one matmul, loaded from the HF q_proj/k_proj/v_proj tensors
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=o_bias)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
 
@@ -74,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaBackbone(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,54 @@
+"""kvforge's Linear: same parameters as nn.Linear, same results, oneDNN for fp32 CPU inference."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvforge.models import linear as linear_mod
+from kvforge.models.linear import Linear, linear
+
+
+def test_matches_torch_linear_in_fp32_and_bf16():
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for shape in ((1, 64), (7, 64), (2, 3, 64)):
+            x, w, b = torch.randn(*shape, dtype=dtype), torch.randn(48, 64, dtype=dtype), torch.randn(48, dtype=dtype)
+            with torch.no_grad():
+                torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=tol, rtol=tol)
+                torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=tol, rtol=tol)
+
+
+def test_module_is_a_drop_in_for_nn_linear():
+    ours, ref = Linear(16, 8), nn.Linear(16, 8)
+    ref.load_state_dict(ours.state_dict())
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), ref(x))
+
+
+def test_training_keeps_autograd():
+    layer = Linear(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    layer(x).sum().backward()  # oneDNN's inference op has no backward: the fallback must be taken
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_fp32_cpu_inference_goes_to_onednn(monkeypatch):
+    if not linear_mod.ONEDNN_LINEAR:
+        pytest.skip("oneDNN linear unavailable on this torch build")
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, *args):
+            calls.append(args[0].dtype)
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
+    with torch.no_grad():
+        linear(torch.randn(2, 8), torch.randn(3, 8))
+        linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16))
+    assert calls == [torch.float32]
