@@ -17,9 +17,14 @@
  * dtype codes: 0 float32, 1 bfloat16, 2 float16.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define KVF_HAVE_MXCSR 1
+#endif
 
 /* Let `omp simd` loops call glibc's vector exp/tanh (libmvec) without -ffast-math: a shared object
  * built with -ffast-math would flush denormals to zero for the whole process on load. */
@@ -91,24 +96,56 @@ static inline void axpy_bf16(float *restrict y, float w, const uint16_t *restric
     for (int i = 0; i < n; i++) y[i] += w * bf16_to_f32(x[i]);
 }
 
+/* Insertion sort of sequence indices by decreasing length: B is a batch size, and the usual input
+ * is small. */
+static void sort_by_length_desc(int64_t *order, const int64_t *lens, int64_t B) {
+    for (int64_t i = 1; i < B; i++) {
+        const int64_t x = order[i];
+        int64_t j = i - 1;
+        while (j >= 0 && lens[order[j]] < lens[x]) {
+            order[j + 1] = order[j];
+            j--;
+        }
+        order[j + 1] = x;
+    }
+}
+
 int kvf_paged_decode(
     const void *q, const void *k_cache, const void *v_cache, const int64_t *tables, const int64_t *seq_lens,
     void *out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t DV, int64_t BS, int64_t MAXNB,
     int64_t window, float scale, float softcap, int dtype_code) {
     const int64_t G = H / HKV;
     const size_t esz = dtype_code == 0 ? 4 : 2;
+    const size_t k_row = (size_t)HKV * D * esz, v_row = (size_t)HKV * DV * esz; /* one token, all KV heads */
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    /* Work items are sequences, so each token's K/V row (all KV heads) is read whole and in order:
+     * a block is one contiguous run the prefetchers can follow. With fewer sequences than threads
+     * to keep busy, items split a sequence's KV heads instead. */
+    const int64_t splits = B >= 2 * omp_get_max_threads() ? 1 : HKV;
+    const int64_t heads_per_item = HKV / splits;
+    /* Longest contexts first: with dynamic scheduling the threads then finish together. */
+    int64_t *order = malloc(sizeof(int64_t) * (B > 0 ? B : 1));
+    if (!order) return -1;
+    for (int64_t b = 0; b < B; b++) order[b] = b;
+    sort_by_length_desc(order, seq_lens, B);
     int failed = 0;
 
 #pragma omp parallel
     {
-        /* Per-thread scratch: the group's queries, scores over the context, accumulators, a row. */
-        float *qf = malloc(sizeof(float) * G * D);
-        float *scores = malloc(sizeof(float) * G * (max_len > 0 ? max_len : 1));
-        float *acc = malloc(sizeof(float) * G * DV);
+#ifdef KVF_HAVE_MXCSR
+        /* Peaky attention (sink tokens) makes many probabilities underflow to denormals, and
+         * arithmetic on denormals takes slow microcode assists: flush them to zero in this thread
+         * for the kernel's duration (they are below 1e-38) and restore the mode after. */
+        const unsigned int saved_csr = _mm_getcsr();
+        _mm_setcsr(saved_csr | 0x8040); /* FTZ | DAZ */
+#endif
+        const int64_t n_max = max_len > 0 ? max_len : 1;
+        float *qf = malloc(sizeof(float) * heads_per_item * G * D);
+        float *scores = malloc(sizeof(float) * heads_per_item * G * n_max);
+        float *acc = malloc(sizeof(float) * heads_per_item * G * DV);
         float *row = malloc(sizeof(float) * (D > DV ? D : DV));
-        int64_t *slots = malloc(sizeof(int64_t) * (max_len > 0 ? max_len : 1));
+        int64_t *slots = malloc(sizeof(int64_t) * n_max);
         const int ok = qf && scores && acc && row && slots;
         if (!ok) {
 #pragma omp atomic write
@@ -116,81 +153,97 @@ int kvf_paged_decode(
         }
         /* Every thread reaches the worksharing loop, even one whose scratch failed. */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * HKV; item++) {
+        for (int64_t item = 0; item < B * splits; item++) {
             if (!ok) continue;
-            {
-                const int64_t b = item / HKV, kvh = item % HKV;
-                const int64_t len = seq_lens[b];
-                const int64_t start = (window > 0 && len > window) ? len - window : 0;
-                const int64_t n = len - start;
-                const int64_t *table = tables + b * MAXNB;
-                for (int64_t g = 0; g < G; g++)
-                    load_row(qf + g * D, (const char *)q + ((b * H + kvh * G + g) * D) * esz, (int)D, dtype_code);
+            const int64_t b = order[item / splits], kv0 = (item % splits) * heads_per_item;
+            const int64_t NH = heads_per_item * G; /* query heads this item serves, from head kv0 * G */
+            const int64_t len = seq_lens[b];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t n = len - start;
+            const int64_t *table = tables + b * MAXNB;
+            for (int64_t h = 0; h < NH; h++)
+                load_row(qf + h * D, (const char *)q + ((b * H + kv0 * G + h) * D) * esz, (int)D, dtype_code);
 
-                /* The context's slots, walked block by block once (no per-token division). */
-                for (int64_t t = start, blk = start / BS; t < len; blk++)
-                    for (int64_t off = t - blk * BS; off < BS && t < len; off++, t++) slots[t - start] = table[blk] * BS + off;
+            /* The context's slots, walked block by block once (no per-token division). */
+            for (int64_t t = start, blk = start / BS; t < len; blk++)
+                for (int64_t off = t - blk * BS; off < BS && t < len; off++, t++) slots[t - start] = table[blk] * BS + off;
 
-                /* Pass 1: scores, each key row read once for all G heads of the group. */
-                for (int64_t i = 0; i < n; i++) {
-                    const char *kp = (const char *)k_cache + ((slots[i] * HKV + kvh) * D) * esz;
-                    float *st = scores + i;
+            /* Pass 1: scores; each key row is read once for all query heads of its group. */
+            for (int64_t i = 0; i < n; i++) {
+                if (i + BS < n) /* the next block lies elsewhere in the pool: start fetching it now */
+                    for (size_t off = 0; off < k_row; off += 64)
+                        __builtin_prefetch((const char *)k_cache + slots[i + BS] * k_row + off);
+                const char *kr = (const char *)k_cache + slots[i] * k_row;
+                for (int64_t j = 0; j < heads_per_item; j++) {
+                    const char *kp = kr + (size_t)(kv0 + j) * D * esz;
+                    float *st = scores + (j * G) * n + i;
                     if (dtype_code == 0) {
-                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_f32(qf + g * D, (const float *)kp, (int)D);
+                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_f32(qf + (j * G + g) * D, (const float *)kp, (int)D);
                     } else if (dtype_code == 1) {
-                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_bf16(qf + g * D, (const uint16_t *)kp, (int)D);
+                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_bf16(qf + (j * G + g) * D, (const uint16_t *)kp, (int)D);
                     } else {
                         load_row(row, kp, (int)D, dtype_code);
-                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_f32(qf + g * D, row, (int)D);
+                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_f32(qf + (j * G + g) * D, row, (int)D);
                     }
                 }
-                /* Softmax per head in fp32 (vectorised exp); scale and soft-cap applied here. */
-                for (int64_t g = 0; g < G; g++) {
-                    float *sg = scores + g * n;
-                    if (softcap > 0.f) {
-                        const float inv_cap = scale / softcap;
+            }
+            /* Softmax per head in fp32 (vectorised exp); scale and soft-cap applied here. */
+            for (int64_t h = 0; h < NH; h++) {
+                float *sg = scores + h * n;
+                if (softcap > 0.f) {
+                    const float inv_cap = scale / softcap;
 #pragma omp simd
-                        for (int64_t i = 0; i < n; i++) sg[i] = tanhf(sg[i] * inv_cap) * softcap;
-                    } else {
+                    for (int64_t i = 0; i < n; i++) sg[i] = tanhf(sg[i] * inv_cap) * softcap;
+                } else {
 #pragma omp simd
-                        for (int64_t i = 0; i < n; i++) sg[i] *= scale;
-                    }
-                    float m = sg[0];
+                    for (int64_t i = 0; i < n; i++) sg[i] *= scale;
+                }
+                float m = sg[0];
 #pragma omp simd reduction(max : m)
-                    for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;
-                    float sum = 0.f;
+                for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;
+                float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-                    for (int64_t i = 0; i < n; i++) {
-                        sg[i] = expf(sg[i] - m);
-                        sum += sg[i];
-                    }
-                    const float inv = 1.f / sum;
-#pragma omp simd
-                    for (int64_t i = 0; i < n; i++) sg[i] *= inv;
-                }
-                /* Pass 2: weighted sum of V, each value row read once for all G heads. */
-                memset(acc, 0, sizeof(float) * G * DV);
                 for (int64_t i = 0; i < n; i++) {
-                    const char *vp = (const char *)v_cache + ((slots[i] * HKV + kvh) * DV) * esz;
-                    const float *pt = scores + i;
+                    sg[i] = expf(sg[i] - m);
+                    sum += sg[i];
+                }
+                const float inv = 1.f / sum;
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+            }
+            /* Pass 2: weighted sum of V; each value row is read once for all query heads of its group. */
+            memset(acc, 0, sizeof(float) * NH * DV);
+            for (int64_t i = 0; i < n; i++) {
+                if (i + BS < n)
+                    for (size_t off = 0; off < v_row; off += 64)
+                        __builtin_prefetch((const char *)v_cache + slots[i + BS] * v_row + off);
+                const char *vr = (const char *)v_cache + slots[i] * v_row;
+                for (int64_t j = 0; j < heads_per_item; j++) {
+                    const char *vp = vr + (size_t)(kv0 + j) * DV * esz;
+                    const float *pt = scores + (j * G) * n + i;
+                    float *aj = acc + (j * G) * DV;
                     if (dtype_code == 0) {
-                        for (int64_t g = 0; g < G; g++) axpy_f32(acc + g * DV, pt[g * n], (const float *)vp, (int)DV);
+                        for (int64_t g = 0; g < G; g++) axpy_f32(aj + g * DV, pt[g * n], (const float *)vp, (int)DV);
                     } else if (dtype_code == 1) {
-                        for (int64_t g = 0; g < G; g++) axpy_bf16(acc + g * DV, pt[g * n], (const uint16_t *)vp, (int)DV);
+                        for (int64_t g = 0; g < G; g++) axpy_bf16(aj + g * DV, pt[g * n], (const uint16_t *)vp, (int)DV);
                     } else {
                         load_row(row, vp, (int)DV, dtype_code);
-                        for (int64_t g = 0; g < G; g++) axpy_f32(acc + g * DV, pt[g * n], row, (int)DV);
+                        for (int64_t g = 0; g < G; g++) axpy_f32(aj + g * DV, pt[g * n], row, (int)DV);
                     }
                 }
-                for (int64_t g = 0; g < G; g++)
-                    store_row((char *)out + ((b * H + kvh * G + g) * DV) * esz, acc + g * DV, (int)DV, dtype_code);
             }
+            for (int64_t h = 0; h < NH; h++)
+                store_row((char *)out + ((b * H + kv0 * G + h) * DV) * esz, acc + h * DV, (int)DV, dtype_code);
         }
         free(qf);
         free(scores);
         free(acc);
         free(row);
         free(slots);
+#ifdef KVF_HAVE_MXCSR
+        _mm_setcsr(saved_csr);
+#endif
     }
+    free(order);
     return failed ? -1 : 0;
 }
