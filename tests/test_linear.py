@@ -52,3 +52,29 @@ def test_fp32_cpu_inference_goes_to_onednn(monkeypatch):
         linear(torch.randn(2, 8), torch.randn(3, 8))
         linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16))
     assert calls == [torch.float32]
+
+
+def test_packing_keeps_results_and_bytes_and_skips_shared_weights():
+    from kvforge.engine.startup_report import weights_bytes
+    from kvforge.models.linear import pack_linear_weights
+
+    if not linear_mod.ONEDNN_LINEAR:
+        pytest.skip("oneDNN linear unavailable on this torch build")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), Linear(16, 32), Linear(32, 50, bias=False), Linear(16, 8))
+    tied = Linear(16, 50, bias=False)
+    tied.weight = model[0].weight  # like a tied lm_head: the embedding still needs the dense tensor
+    model.append(tied)
+    model[3].keep_dense = True  # like MLA's kv_b_proj, read directly elsewhere
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        before = [model[1](x), model[3](x), tied(x)]
+        h = model[1](x)
+        before.append(model[2](h))
+        size = weights_bytes(model)
+        assert pack_linear_weights(model) == 2  # model[1] and model[2]; not the tied one nor keep_dense
+        after = [model[1](x), model[3](x), tied(x), model[2](h)]
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert weights_bytes(model) == size
+    assert model[1].weight.numel() == 0 and model[3].weight.numel() == 16 * 8 and tied.weight.numel() == 50 * 16

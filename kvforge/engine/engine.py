@@ -26,6 +26,7 @@ from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
 from kvforge.kv.calibration import calibrate_static_scales
 from kvforge.kv.hybrid import make_kv_manager
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
+from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
 
 
@@ -51,6 +52,7 @@ class LLMEngine:
         model.load_weights(checkpoint.weights)
         del checkpoint
         self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
+        pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
         self._init_cache_and_scheduler()
 
     def _init_cache_and_scheduler(self) -> None:

@@ -85,7 +85,8 @@ def weights_bytes(model: torch.nn.Module) -> int:
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
-    return total
+    # Layers packed for oneDNN (models/linear.py) hold their weight outside parameters().
+    return total + sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
 
 
 def build_startup_report(

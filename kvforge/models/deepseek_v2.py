@@ -109,6 +109,7 @@ class DeepseekV2Attention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(h, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.kv_b_proj.keep_dense = True  # absorbed decode reads W_UK / W_UV straight from this weight
         self.o_proj = Linear(self.num_heads * self.v_dim, h, bias=bias)
         self.interleave = cfg.model_type != "deepseek_v3" or bool(x.get("rope_interleave", True))
         self.scale = qk_dim**-0.5

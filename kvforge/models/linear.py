@@ -6,7 +6,15 @@ set, not by vendor. Measured on the default model's shapes (2 cores): the
 lm_head matmul is 1.7x faster for one decode row, 1.9x for 32, 1.4x for 256
 (`benchmarks/linear_kernels.py`). bf16 and fp16 already go to oneDNN, and CUDA
 tensors are untouched. oneDNN reads the dense weight as it is, so no second
-copy of the weights is kept. `KVFORGE_ONEDNN_LINEAR=0` turns it off.
+copy of the weights is kept.
+
+`pack_linear_weights` goes one step further for an inference engine: each
+weight is re-laid out once in oneDNN's blocked format, so no call reorders it
+again; measured on the offline benchmark, +18% (fp32) and +20% (bf16) output
+tokens/s. The dense copy is released (the packed one replaces it, same bytes),
+so a packed layer is inference-only; weights read directly elsewhere (tied
+embeddings, MLA's absorbed kv_b_proj) are left dense. `KVFORGE_ONEDNN_LINEAR=0`
+turns both off.
 """
 from __future__ import annotations
 
@@ -38,8 +46,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# oneDNN picks the packed layout for an expected row count; 32 is what the benchmarks measured.
+PACK_BATCH_HINT = 32
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state dict) routed through `linear`."""
+    """`nn.Linear` (same parameters and state dict until packed) routed through `linear`."""
+
+    packed_weight: torch.Tensor | None = None
+    packed_nbytes = 0
+    keep_dense = False  # set by models that read this weight directly (e.g. MLA absorption)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
+
+    def pack(self, batch_hint: int = PACK_BATCH_HINT) -> bool:
+        """Replace the dense weight by oneDNN's packed layout (inference only); False if not applicable."""
+        w = self.weight
+        if self.keep_dense or not ONEDNN_LINEAR or w.device.type != "cpu" or w.dtype not in PACKABLE_DTYPES:
+            return False
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        self.packed_nbytes = w.numel() * w.element_size()
+        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # dense copy released
+        return True
+
+
+def pack_linear_weights(model: nn.Module, batch_hint: int = PACK_BATCH_HINT) -> int:
+    """Pack every `Linear` of `model` whose weight no other module holds; returns how many were packed.
+
+    Call after the model has its final dtype and device: a packed layer cannot be moved or cast.
+    """
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, Linear) and owners.get(id(module.weight), 0) == 1:
+            packed += module.pack(batch_hint)
+    return packed
