@@ -44,8 +44,13 @@ def paged_attention_sdpa(
 def prefill_attention_sdpa(
     q: torch.Tensor, cache: LayerKVCache, chunk: PrefillChunk, scale: float, sliding_window: int | None = None
 ) -> torch.Tensor:
-    k, v, visible = gather_prefill_context(cache, chunk, sliding_window)
     qp = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, d]
+    if chunk.start == 0 and (not sliding_window or chunk.seq_len <= sliding_window):
+        # A first chunk sees exactly its own tokens, causally: the kernel's own causal path skips
+        # the masked half of the scores and needs no mask tensor (built per layer otherwise).
+        k, v = cache.gather(chunk.block_table[None])
+        return _sdpa(qp, k[:, : chunk.seq_len], v[:, : chunk.seq_len], None, scale)[0].transpose(0, 1)
+    k, v, visible = gather_prefill_context(cache, chunk, sliding_window)
     return _sdpa(qp, k, v, visible[None, None], scale)[0].transpose(0, 1)
 
 
@@ -57,9 +62,9 @@ def _decode_sdpa(
     return _sdpa(qd, k, v, visible[:, None, None, :], scale)[:, :, 0]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, Tq, d]; k, v [B, L, Hkv, d] -> [B, H, Tq, dv]."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [B, H, Tq, d]; k, v [B, L, Hkv, d] -> [B, H, Tq, dv]. No mask: causal, with Tq == L."""
     return F.scaled_dot_product_attention(
         q, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale,
-        enable_gqa=k.shape[2] != q.shape[1],
+        is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[1],
     )
