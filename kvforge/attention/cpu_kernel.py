@@ -28,7 +28,7 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Not -ffast-math: with it, loading the object would switch the whole process to flush-to-zero.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

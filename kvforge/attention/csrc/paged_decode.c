@@ -1,11 +1,11 @@
 /* Paged decode attention for CPUs: one query per sequence, K/V read in place from the block pool.
  *
  * Why a kernel: the torch path gathers every decode row's blocks into a contiguous workspace
- * before attending, so each KV byte is read, written and read again. On CPU a batched decode
- * step is bound by that memory traffic, not by arithmetic. Here each (sequence, KV head) work
- * item walks its block table, scores the G query heads of its group against each key once
- * (GQA by head index, K/V never repeated), and accumulates V weighted by the softmax.
- * Scores and the softmax run in fp32 whatever the storage dtype.
+ * before attending, so each KV byte is read, written and read again. Here each sequence (or,
+ * for small batches, each of its KV heads) walks its block table once, scores the G query heads
+ * of each group against each key row (GQA by head index, K/V never repeated), and accumulates V
+ * weighted by the softmax. 16-bit rows are widened to fp32 once per row; scores and the softmax
+ * run in fp32 whatever the storage dtype.
  *
  * Layouts (all contiguous):
  *   q        [B, H, D]              compute dtype
@@ -46,7 +46,7 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* Load n elements of dtype `code` starting at p into dst as fp32. */
-static inline void load_row(float *restrict dst, const void *p, int n, int code) {
+static inline __attribute__((always_inline)) void load_row(float *restrict dst, const void *p, int n, int code) {
     if (code == 0) {
         memcpy(dst, p, (size_t)n * sizeof(float));
     } else if (code == 1) {
@@ -72,29 +72,35 @@ static inline void store_row(void *p, const float *restrict src, int n, int code
     }
 }
 
-static inline float dot_f32(const float *restrict a, const float *restrict b, int n) {
+static inline __attribute__((always_inline)) float dot_f32(const float *restrict a, const float *restrict b, int n) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (int i = 0; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
-static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int n) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; i++) s += a[i] * bf16_to_f32(b[i]);
-    return s;
-}
-
-static inline void axpy_f32(float *restrict y, float w, const float *restrict x, int n) {
+static inline __attribute__((always_inline)) void axpy_f32(float *restrict y, float w, const float *restrict x, int n) {
 #pragma omp simd
     for (int i = 0; i < n; i++) y[i] += w * x[i];
 }
 
-static inline void axpy_bf16(float *restrict y, float w, const uint16_t *restrict x, int n) {
-#pragma omp simd
-    for (int i = 0; i < n; i++) y[i] += w * bf16_to_f32(x[i]);
+/* One key row against the G query heads of its group: scores st[g * stride]. */
+static inline __attribute__((always_inline)) void score_row(
+    const float *qf, const char *kp, int64_t G, int D, int code, float *row, float *st, int64_t stride) {
+    /* 16-bit rows are widened once, not once per query head. */
+    const float *k = code == 0 ? (const float *)kp : row;
+    if (code != 0) load_row(row, kp, D, code);
+    for (int64_t g = 0; g < G; g++) st[g * stride] = dot_f32(qf + g * D, k, D);
 }
+
+/* One value row added into the G heads' accumulators, weighted by their probabilities pt[g * stride]. */
+static inline __attribute__((always_inline)) void accumulate_row(
+    float *acc, const char *vp, int64_t G, int DV, int code, float *row, const float *pt, int64_t stride) {
+    const float *v = code == 0 ? (const float *)vp : row;
+    if (code != 0) load_row(row, vp, DV, code);
+    for (int64_t g = 0; g < G; g++) axpy_f32(acc + g * DV, pt[g * stride], v, DV);
+}
+
 
 /* Insertion sort of sequence indices by decreasing length: B is a batch size, and the usual input
  * is small. */
@@ -177,14 +183,10 @@ int kvf_paged_decode(
                 for (int64_t j = 0; j < heads_per_item; j++) {
                     const char *kp = kr + (size_t)(kv0 + j) * D * esz;
                     float *st = scores + (j * G) * n + i;
-                    if (dtype_code == 0) {
-                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_f32(qf + (j * G + g) * D, (const float *)kp, (int)D);
-                    } else if (dtype_code == 1) {
-                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_bf16(qf + (j * G + g) * D, (const uint16_t *)kp, (int)D);
-                    } else {
-                        load_row(row, kp, (int)D, dtype_code);
-                        for (int64_t g = 0; g < G; g++) st[g * n] = dot_f32(qf + (j * G + g) * D, row, (int)D);
-                    }
+                    if (D == 64) /* the common head size, as a constant: fully unrolled vector code */
+                        score_row(qf + j * G * D, kp, G, 64, dtype_code, row, st, n);
+                    else
+                        score_row(qf + j * G * D, kp, G, (int)D, dtype_code, row, st, n);
                 }
             }
             /* Softmax per head in fp32 (vectorised exp); scale and soft-cap applied here. */
@@ -222,14 +224,10 @@ int kvf_paged_decode(
                     const char *vp = vr + (size_t)(kv0 + j) * DV * esz;
                     const float *pt = scores + (j * G) * n + i;
                     float *aj = acc + (j * G) * DV;
-                    if (dtype_code == 0) {
-                        for (int64_t g = 0; g < G; g++) axpy_f32(aj + g * DV, pt[g * n], (const float *)vp, (int)DV);
-                    } else if (dtype_code == 1) {
-                        for (int64_t g = 0; g < G; g++) axpy_bf16(aj + g * DV, pt[g * n], (const uint16_t *)vp, (int)DV);
-                    } else {
-                        load_row(row, vp, (int)DV, dtype_code);
-                        for (int64_t g = 0; g < G; g++) axpy_f32(aj + g * DV, pt[g * n], row, (int)DV);
-                    }
+                    if (DV == 64)
+                        accumulate_row(aj, vp, G, 64, dtype_code, row, pt, n);
+                    else
+                        accumulate_row(aj, vp, G, (int)DV, dtype_code, row, pt, n);
                 }
             }
             for (int64_t h = 0; h < NH; h++)
