@@ -71,14 +71,28 @@ def test_kernel_rejects_indices_outside_the_pool():
 
 def test_without_the_kernel_auto_falls_back_and_cpu_is_refused(tmp_path):
     code = (
-        "from kvforge.attention import cpu_kernel, check_backend\n"
+        "from kvforge.attention import cpu_kernel, check_backend, describe_backend\n"
         "assert not cpu_kernel.available(), 'kernel should be disabled'\n"
         "check_backend('auto')\n"
+        "print(describe_backend('auto', 'cpu'))\n"
         "try:\n    check_backend('cpu')\nexcept ValueError as e:\n    print(e)\n"
     )
     env = dict(os.environ, KVFORGE_CPU_KERNEL="0", KVFORGE_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "attention_backend 'cpu' is unavailable" in out and "KVFORGE_CPU_KERNEL=0" in out
+    assert "sdpa (CPU decode kernel unavailable: disabled by KVFORGE_CPU_KERNEL=0)" in out
+
+
+def test_startup_report_names_the_attention_and_linear_paths(tiny_model_factory):
+    from kvforge import LLM
+
+    path, _ = tiny_model_factory("llama_gqa")
+    llm = LLM(model=path, log_ledger=False)
+    text = llm.engine.report.render()
+    assert "attention" in text and "cpu (in-place C decode kernel, SDPA prefill)" in text
+    from kvforge.models.linear import ONEDNN_LINEAR
+
+    assert "linear layers" in text and ("weights packed at load" in text) == ONEDNN_LINEAR
 
 
 def test_kernel_builds_into_a_fresh_cache_dir(tmp_path):

@@ -27,6 +27,17 @@ def check_backend(name: str) -> None:
         raise ValueError(f"attention_backend 'cpu' is unavailable: {cpu_kernel.unavailable_reason()}")
 
 
+def describe_backend(name: str, device: str) -> str:
+    """What `name` resolves to on `device`, for the start-up report (users should see a fallback)."""
+    if name == "torch":
+        return "torch (reference)"
+    if name == "sdpa" or device != "cpu":
+        return "sdpa (fused kernels)"
+    if cpu_kernel.available():
+        return "cpu (in-place C decode kernel, SDPA prefill)"
+    return f"sdpa (CPU decode kernel unavailable: {cpu_kernel.unavailable_reason()})"
+
+
 def paged_attention(
     q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,  # type: ignore[no-untyped-def]
     sliding_window: int | None = None, softcap: float | None = None,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
 from kvforge.ledger import (
     QUANTIZED_DTYPES,
@@ -39,6 +40,8 @@ class StartupReport:
     max_num_seqs: int
     max_num_batched_tokens: int
     groups: list[KVGroup] = field(default_factory=list)  # hybrid models: one pool per group, full attention first
+    attention: str = ""  # the attention backend in use, fallbacks named
+    linear: str = ""  # how linear layers run (oneDNN packing on CPU)
 
     @property
     def token_capacity(self) -> int:
@@ -63,6 +66,8 @@ class StartupReport:
             ("kv capacity", f"{self.token_capacity} tokens"),
             ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
             ("scheduler", f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"),
+            *((("attention", self.attention),) if self.attention else ()),
+            *((("linear layers", self.linear),) if self.linear else ()),
         ]
         width = max(len(k) for k, _ in rows)
         return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -121,4 +126,11 @@ def build_startup_report(
         max_num_seqs=getattr(args, "max_num_seqs", 0),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0),
         groups=list(groups),
+        attention=describe_backend(getattr(args, "attention_backend", "auto"), str(next(model.parameters()).device.type)),
+        linear=_describe_linear(model),
     )
+
+
+def _describe_linear(model: torch.nn.Module) -> str:
+    packed = sum(1 for m in model.modules() if getattr(m, "packed_weight", None) is not None)
+    return f"oneDNN, {packed} weights packed at load" if packed else "torch"
