@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.attention import cpu_kernel
-from kvforge.attention.cpu_paged import paged_attention_cpu
+from kvforge.attention.cpu_paged import paged_attention_cpu, reads_in_place
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.sdpa import paged_attention_sdpa
 from kvforge.attention.torch_ref import paged_attention as paged_attention_ref
@@ -45,7 +45,7 @@ def paged_attention(
     backend = meta.backend
     if backend == "torch":
         return paged_attention_ref(q, cache, meta, scale, sliding_window, softcap)
-    if backend == "cpu" or (backend == "auto" and not q.is_cuda and cpu_kernel.available()):
+    if backend in ("cpu", "auto") and reads_in_place(q, cache):
         return paged_attention_cpu(q, cache, meta, scale, sliding_window, softcap)
     if softcap:
         return paged_attention_ref(q, cache, meta, scale, sliding_window, softcap)

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
-from kvforge.attention.torch_ref import decode_attention, gather_decode_context, gather_prefill_context
+from kvforge.attention.torch_ref import (
+    decode_attention, decodes_then_prefills, gather_decode_context, gather_prefill_context,
+)
 from kvforge.kv.cache_tensors import LayerKVCache
 
 
@@ -30,15 +32,12 @@ def paged_attention_sdpa(
 ) -> torch.Tensor:
     """q: [num_tokens, heads, d] -> [num_tokens, heads, v_dim]; new K/V must already be written."""
     assert not softcap, "soft-capped attention goes through the reference backend"
-    outs = []
-    if meta.num_decodes:
-        if q.is_cuda or q.dtype == torch.float32:
-            outs.append(_decode_sdpa(q, cache, meta, scale, sliding_window))
-        else:
-            outs.append(decode_attention(q, cache, meta, scale, sliding_window))
-    for chunk in meta.prefills:
-        outs.append(prefill_attention_sdpa(q, cache, chunk, scale, sliding_window))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+    fused_decode = q.is_cuda or q.dtype == torch.float32
+    return decodes_then_prefills(
+        meta,
+        lambda: (_decode_sdpa if fused_decode else decode_attention)(q, cache, meta, scale, sliding_window),
+        lambda chunk: prefill_attention_sdpa(q, cache, chunk, scale, sliding_window),
+    )
 
 
 def prefill_attention_sdpa(

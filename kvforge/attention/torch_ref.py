@@ -7,6 +7,8 @@ a causal mask. GQA groups query heads onto KV heads by reshaping the query
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
@@ -22,11 +24,19 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [num_tokens, heads, d] -> [num_tokens, heads, v_dim]; new K/V must already be written."""
-    outs = []
-    if meta.num_decodes:
-        outs.append(decode_attention(q, cache, meta, scale, sliding_window, softcap))
-    for chunk in meta.prefills:
-        outs.append(prefill_attention(q, cache, chunk, scale, sliding_window, softcap))
+    return decodes_then_prefills(
+        meta,
+        lambda: decode_attention(q, cache, meta, scale, sliding_window, softcap),
+        lambda chunk: prefill_attention(q, cache, chunk, scale, sliding_window, softcap),
+    )
+
+
+def decodes_then_prefills(
+    meta: AttentionMetadata, decode: Callable[[], torch.Tensor], prefill: Callable[[PrefillChunk], torch.Tensor]
+) -> torch.Tensor:
+    """Every backend's output in the runner's row order: the decode rows, then each prefill chunk."""
+    outs = [decode()] if meta.num_decodes else []
+    outs += [prefill(chunk) for chunk in meta.prefills]
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

@@ -110,11 +110,12 @@ def build_startup_report(
         if fmt.scale_granularity == "channel":
             scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
         kv_dtype += f" (scales {scales})"
+    device = next(model.parameters()).device
     return StartupReport(
         model=getattr(args, "model", None) or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,
         dtype=getattr(args, "dtype", "float32"),
-        device=str(next(model.parameters()).device),
+        device=str(device),
         weights_bytes=weights_bytes(model),
         kv_dtype=kv_dtype,
         kv_bytes_per_token=kv_bytes_per_token(shape, fmt, block_size),
@@ -126,7 +127,7 @@ def build_startup_report(
         max_num_seqs=getattr(args, "max_num_seqs", 0),
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0),
         groups=list(groups),
-        attention=describe_backend(getattr(args, "attention_backend", "auto"), str(next(model.parameters()).device.type)),
+        attention=describe_backend(getattr(args, "attention_backend", "auto"), device.type),
         linear=_describe_linear(model),
     )
 
