@@ -78,3 +78,14 @@ def test_packing_keeps_results_and_bytes_and_skips_shared_weights():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert weights_bytes(model) == size
     assert model[1].weight.numel() == 0 and model[3].weight.numel() == 16 * 8 and tied.weight.numel() == 50 * 16
+
+
+def test_env_switch_turns_onednn_off():
+    import os
+    import subprocess
+    import sys
+
+    code = "from kvforge.models.linear import ONEDNN_LINEAR; print(ONEDNN_LINEAR)"
+    env = dict(os.environ, KVFORGE_ONEDNN_LINEAR="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
