@@ -38,8 +38,9 @@ def _decode_batch(dtype, heads, kv_heads, d, dv, block_size, lens, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "heads,kv_heads,d,dv,block_size",
-    [(9, 3, 64, 64, 16), (4, 4, 32, 32, 4), (8, 1, 40, 40, 16), (6, 2, 48, 24, 1), (2, 1, 16, 16, 5)],
-    ids=["gqa", "mha", "mqa-d40", "dv-differs-bs1", "odd-block"],
+    [(9, 3, 64, 64, 16), (4, 4, 32, 32, 4), (8, 1, 40, 40, 16), (6, 2, 48, 24, 1), (2, 1, 16, 16, 5),
+     (16, 2, 64, 64, 16), (12, 1, 64, 64, 16), (4, 4, 64, 64, 7)],
+    ids=["gqa", "mha", "mqa-d40", "dv-differs-bs1", "odd-block", "d64-8-per-group", "d64-12-per-group", "d64-mha"],
 )
 def test_kernel_matches_reference(dtype, heads, kv_heads, d, dv, block_size):
     q, cache, meta = _decode_batch(dtype, heads, kv_heads, d, dv, block_size, lens=[1, 7, 16, 17, 100, 333])
@@ -49,13 +50,24 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, d, dv, block_size):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("d", [32, 64], ids=["d32", "d64-vector-path"])
 @pytest.mark.parametrize("window,softcap", [(5, None), (64, None), (None, 30.0), (24, 50.0)])
-def test_kernel_windows_and_softcap(window, softcap):
-    q, cache, meta = _decode_batch(torch.float32, 8, 2, 32, 32, 4, lens=[3, 24, 25, 90])
+def test_kernel_windows_and_softcap(window, softcap, d):
+    q, cache, meta = _decode_batch(torch.float32, 8, 2, d, d, 4, lens=[3, 24, 25, 90])
     ref = decode_attention(q * 8, cache, meta, 0.2, window, softcap)  # large logits: soft-capping matters
     out = cpu_kernel.paged_decode(q * 8, cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, 0.2,
                                   window, softcap)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)  # logits of ~50: fp32 rounding grows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [40], [300, 2], [17, 33, 15, 16, 1000]], ids=str)
+def test_kernel_small_batches_split_kv_heads(dtype, lens):
+    """Fewer sequences than twice the threads: work items are (sequence, KV head) pairs."""
+    q, cache, meta = _decode_batch(dtype, 9, 3, 64, 64, 16, lens=lens, seed=3)
+    ref = decode_attention(q, cache, meta, 0.125)
+    out = cpu_kernel.paged_decode(q, cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_kernel_rejects_indices_outside_the_pool():
