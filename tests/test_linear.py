@@ -72,12 +72,36 @@ def test_packing_keeps_results_and_bytes_and_skips_shared_weights():
         h = model[1](x)
         before.append(model[2](h))
         size = weights_bytes(model)
-        assert pack_linear_weights(model) == 2  # model[1] and model[2]; not the tied one nor keep_dense
+        assert pack_linear_weights(model, copy_shared=False) == 2  # model[1], model[2]; not tied nor keep_dense
         after = [model[1](x), model[3](x), tied(x), model[2](h)]
     for a, b in zip(before, after):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert weights_bytes(model) == size
     assert model[1].weight.numel() == 0 and model[3].weight.numel() == 16 * 8 and tied.weight.numel() == 50 * 16
+
+
+def test_a_shared_weight_gets_a_packed_copy_counted_as_extra_bytes():
+    from kvforge.engine.startup_report import weights_bytes
+    from kvforge.models.linear import pack_linear_weights
+
+    if not linear_mod.ONEDNN_LINEAR:
+        pytest.skip("oneDNN linear unavailable on this torch build")
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        emb = nn.Embedding(50, 16).to(dtype)
+        tied = Linear(16, 50, bias=False).to(dtype)
+        tied.weight = emb.weight
+        model = nn.ModuleList([emb, tied])
+        x = torch.randn(5, 16).to(dtype)
+        ids = torch.tensor([1, 7, 49])
+        with torch.no_grad():
+            before, rows = tied(x), emb(ids)
+            size = weights_bytes(model)
+            assert pack_linear_weights(model, copy_shared=True) == 1
+            assert tied.packed_copy and tied.weight is emb.weight  # the embedding still reads dense rows
+            torch.testing.assert_close(tied(x), before, atol=1e-5, rtol=1e-2)
+            assert torch.equal(emb(ids), rows)
+        assert weights_bytes(model) == size + 50 * 16 * emb.weight.element_size()
 
 
 def test_env_switch_turns_onednn_off():

@@ -133,5 +133,11 @@ def build_startup_report(
 
 
 def _describe_linear(model: torch.nn.Module) -> str:
-    packed = sum(1 for m in model.modules() if getattr(m, "packed_weight", None) is not None)
-    return f"oneDNN, {packed} weights packed at load" if packed else "torch"
+    packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    if not packed:
+        return "torch"
+    copies = [m for m in packed if getattr(m, "packed_copy", False)]
+    extra = sum(m.packed_nbytes for m in copies)
+    what = "a shared weight (tied lm_head)" if len(copies) == 1 else f"{len(copies)} shared weights"
+    note = f", +{extra / 2**20:.1f} MiB for a packed copy of {what}" if copies else ""
+    return f"oneDNN, {len(packed)} weights packed at load{note}"

@@ -8,6 +8,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.models import fused
 from kvforge.models.linear import Linear
 
 
@@ -28,6 +29,10 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            out = fused.rms_norm(x, self.weight, self.eps, self.offset)
+            if out is not None:
+                return out
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -70,6 +75,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, d] rotated in the non-interleaved (rotate_half) convention of HF checkpoints."""
+    out = fused.rotary(x, cos, sin)
+    if out is not None:
+        return out
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -93,9 +101,15 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)  # loaded from HF gate_proj + up_proj
         self.down_proj = Linear(inter, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+        self.fused_silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu:
+            h = fused.silu_mul(gate_up)
+            if h is not None:
+                return self.down_proj(h)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
