@@ -101,7 +101,7 @@ def test_startup_report_names_the_attention_and_linear_paths(tiny_model_factory)
     path, _ = tiny_model_factory("llama_gqa")
     llm = LLM(model=path, log_ledger=False)
     text = llm.engine.report.render()
-    assert "attention" in text and "cpu (in-place C decode kernel, SDPA prefill)" in text
+    assert "attention" in text and "cpu (in-place C kernels: decode; prefill at head size 64, else SDPA)" in text
     from kvforge.models.linear import ONEDNN_LINEAR
 
     assert "linear layers" in text and ("weights packed at load" in text) == ONEDNN_LINEAR
@@ -113,3 +113,56 @@ def test_kernel_builds_into_a_fresh_cache_dir(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split()[0] == "True", out
     assert list((tmp_path / "kernels").glob("paged_decode-*.so"))
+
+
+def _prefill_batch(dtype, heads, kv_heads, block_size, specs, seed=0):
+    """Chunks (start, new tokens) of different sequences in one step, blocks scattered in the pool."""
+    from kvforge.attention.metadata import PrefillChunk
+
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in specs) + 2
+    cache = DenseKVCache(num_blocks, block_size, kv_heads, 64, 64, dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    chunks, row = [], 0
+    for start, n in specs:
+        nb = -(-(start + n) // block_size)
+        chunks.append(PrefillChunk(slice(row, row + n), start, start + n, torch.tensor(ids[:nb])))
+        ids, row = ids[nb:], row + n
+    q = (torch.randn(row, heads, 64, generator=g) * 2).to(dtype)
+    return q, cache, chunks
+
+
+PREFILL_SPECS = [(0, 100), (37, 5), (0, 1), (200, 64), (15, 17)]  # first chunks, later chunks, 1-token chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 16), (16, 2, 5), (8, 1, 1)],
+                         ids=["gqa", "mha", "8-per-group-bs5", "mqa-bs1"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (None, 5.0), (7, 3.0)],
+                         ids=["causal", "window", "softcap", "window+softcap"])
+def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, block_size, window, softcap):
+    from kvforge.attention.torch_ref import prefill_attention
+
+    q, cache, chunks = _prefill_batch(dtype, heads, kv_heads, block_size, PREFILL_SPECS)
+    assert cpu_kernel.prefill_supported(q, cache.k, cache.v)
+    idx = cpu_kernel.prefill_indices(chunks, q.shape[0], cache.num_blocks, block_size)
+    out = torch.full_like(q, float("nan"))
+    cpu_kernel.paged_prefill(q, cache.k, cache.v, idx, 0.125, window, softcap, out)
+    ref = torch.cat([prefill_attention(q, cache, c, 0.125, window, softcap) for c in chunks])
+    # bf16: outputs of magnitude ~1-2 where one bf16 step is 0.008-0.016; the reference rounds its
+    # probabilities to bf16, the kernel keeps them in fp32
+    tol = {torch.float32: 2e-6, torch.bfloat16: 4e-2}[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_reach_and_index_checks():
+    q, cache, chunks = _prefill_batch(torch.float32, 9, 3, 16, [(0, 20), (4, 8)])
+    assert not cpu_kernel.prefill_supported(q[..., :32], cache.k[..., :32], cache.v[..., :32])  # head size 32
+    assert not cpu_kernel.prefill_supported(q.half(), cache.k.half(), cache.v.half())  # fp16: SDPA's job
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernel.prefill_indices(chunks, q.shape[0] - 1, cache.num_blocks, 16)  # rows past the batch
+    chunks[1].block_table[0] = cache.num_blocks
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernel.prefill_indices(chunks, q.shape[0], cache.num_blocks, 16)

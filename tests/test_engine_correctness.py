@@ -17,7 +17,8 @@ PROMPTS = [[5, 17, 99, 3, 8, 200, 45], list(range(10, 60)), [7], [i % 250 for i 
 NEW_TOKENS = 32
 # The Llama-family layouts (MHA, GQA, MQA, biases, rope scaling, untied heads); MLA, sliding-window and
 # Gemma families have their own test files.
-LLAMA_FAMILIES = ["llama_gqa", "llama_mha", "llama_mqa", "llama3_rope", "llama_untied", "qwen2_bias", "mistral"]
+LLAMA_FAMILIES = ["llama_gqa", "llama_mha", "llama_mqa", "llama3_rope", "llama_untied", "qwen2_bias", "mistral",
+                  "llama_d64"]
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -54,8 +55,9 @@ def test_greedy_batch_and_logits_match_transformers(tiny_model_factory, family, 
         pytest.param({"block_size": 1}, id="block-size-1"),
     ],
 )
-def test_scheduling_paths_do_not_change_outputs(tiny_model_factory, engine_kwargs):
-    path, hf = tiny_model_factory("llama_gqa")
+@pytest.mark.parametrize("family", ["llama_gqa", "llama_d64"])
+def test_scheduling_paths_do_not_change_outputs(tiny_model_factory, engine_kwargs, family):
+    path, hf = tiny_model_factory(family)
     llm = _llm(path, **engine_kwargs)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == _reference(hf)

@@ -26,9 +26,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 _REFS: dict[str, list[list[int]]] = {}
 
 
-@pytest.fixture(scope="module")
-def swa(tiny_model_factory):
-    path, hf = tiny_model_factory("mistral_swa")
+@pytest.fixture(scope="module", params=["mistral_swa", "mistral_swa_d64"])
+def swa(tiny_model_factory, request):
+    path, hf = tiny_model_factory(request.param)
     if path not in _REFS:
         _REFS[path] = [hf_greedy(hf, p, NEW) for p in PROMPTS]
     return path, _REFS[path]

@@ -41,8 +41,12 @@ FAMILIES = {
     "llama_untied": ("LlamaConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}),
     "qwen2_bias": ("Qwen2Config", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     "mistral": ("MistralConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None}),
+    # head size 64 with 3 query heads per KV head (as in SmolLM2): the CPU kernels' vector paths
+    "llama_d64": ("LlamaConfig", {"hidden_size": 192, "num_attention_heads": 3, "num_key_value_heads": 1}),
     # issue 6: architectures that change what is cached
     "mistral_swa": ("MistralConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 12}),
+    "mistral_swa_d64": ("MistralConfig", {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1,
+                                          "sliding_window": 12}),
     "deepseek_v2": ("DeepseekV2Config", {"num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
                                          "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
                                          "moe_intermediate_size": 32, "n_routed_experts": 4, "n_shared_experts": 1,

@@ -1,8 +1,9 @@
 """Paged attention backends behind one entry point.
 
 `torch` is the reference (ground truth, every feature); `sdpa` runs the fused
-kernels of `scaled_dot_product_attention`; `cpu` serves decode rows with the
-in-place C kernel (`cpu_kernel`) and prefill chunks with SDPA. `auto` (the
+kernels of `scaled_dot_product_attention`; `cpu` serves decode rows and (head
+size 64) prefill chunks with the in-place C kernels (`cpu_kernel`), other
+prefill chunks with SDPA. `auto` (the
 default) is `cpu` on CPU when the kernel could be built, else `sdpa`. The
 runner puts the engine's choice in `AttentionMetadata.backend`.
 """
@@ -34,7 +35,7 @@ def describe_backend(name: str, device: str) -> str:
     if name == "sdpa" or device != "cpu":
         return "sdpa (fused kernels)"
     if cpu_kernel.available():
-        return "cpu (in-place C decode kernel, SDPA prefill)"
+        return "cpu (in-place C kernels: decode; prefill at head size 64, else SDPA)"
     return f"sdpa (CPU decode kernel unavailable: {cpu_kernel.unavailable_reason()})"
 
 

@@ -1,11 +1,13 @@
-"""Paged attention on CPU with decode rows served in place by the C kernel (`cpu_kernel`).
+"""Paged attention on CPU with K/V read in place by the C kernels (`cpu_kernel`).
 
 Decode rows never gather: the kernel walks each sequence's block table and
 reads K/V where they lie, which removes the copy that dominated a batched
 decode step (one read of the KV instead of read, write, read). Prefill chunks
-are compute-bound, so they keep PyTorch's fused SDPA kernel. The dispatcher
-(`kvforge.attention`) sends caches the kernel cannot read in place (quantized
-storage, MLA latents) to the other backends.
+with head size 64 (and at most 8 query heads per KV head) run in the prefill
+kernel, 1.5-2x SDPA's flash kernel here; other shapes keep SDPA (or the
+reference when soft-capped). The dispatcher (`kvforge.attention`) sends caches
+the kernels cannot read in place (quantized storage, MLA latents) to the other
+backends. Both kernels write into one output tensor: no concatenation.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from kvforge.attention import cpu_kernel
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.sdpa import prefill_attention_sdpa
-from kvforge.attention.torch_ref import decodes_then_prefills, prefill_attention
+from kvforge.attention.torch_ref import prefill_attention
 from kvforge.kv.cache_tensors import DenseKVCache, LayerKVCache
 
 
@@ -28,13 +30,24 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """q: [num_tokens, heads, d] -> [num_tokens, heads, v_dim]; needs `reads_in_place(q, cache)`."""
     assert isinstance(cache, DenseKVCache)
-    return decodes_then_prefills(
-        meta,
-        lambda: cpu_kernel.paged_decode(
-            q[: meta.num_decodes], cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens,
-            scale, sliding_window, softcap,
-        ),
-        # SDPA cannot soft-cap: those chunks take the reference path.
-        lambda chunk: (prefill_attention(q, cache, chunk, scale, sliding_window, softcap) if softcap
-                       else prefill_attention_sdpa(q, cache, chunk, scale, sliding_window)),
-    )
+    num_blocks, block_size = cache.k.shape[0], cache.k.shape[1]
+    out = torch.empty(q.shape[0], q.shape[1], cache.v.shape[-1], dtype=q.dtype)
+    nd = meta.num_decodes
+    if nd:
+        key = ("cpu_decode", num_blocks, block_size)
+        if key not in meta.derived:  # checked once per step, not once per layer
+            meta.derived[key] = cpu_kernel.decode_indices(
+                meta.decode_block_tables, meta.decode_seq_lens, num_blocks, block_size)
+        cpu_kernel.paged_decode(q[:nd], cache.k, cache.v, meta.derived[key], None, scale, sliding_window, softcap,
+                                out=out[:nd])
+    if not meta.prefills:
+        return out
+    if cpu_kernel.prefill_supported(q, cache.k, cache.v):
+        key = ("cpu_prefill", num_blocks, block_size)
+        if key not in meta.derived:
+            meta.derived[key] = cpu_kernel.prefill_indices(meta.prefills, q.shape[0], num_blocks, block_size)
+        return cpu_kernel.paged_prefill(q, cache.k, cache.v, meta.derived[key], scale, sliding_window, softcap, out)
+    for chunk in meta.prefills:  # SDPA cannot soft-cap: those chunks take the reference path
+        out[chunk.rows] = (prefill_attention(q, cache, chunk, scale, sliding_window, softcap) if softcap
+                           else prefill_attention_sdpa(q, cache, chunk, scale, sliding_window))
+    return out

@@ -28,6 +28,8 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
     backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "auto" (sdpa where it applies)
+    # What a backend derives once per step and every layer reuses (e.g. the CPU kernels' checked indices).
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def max_decode_len(self) -> int:

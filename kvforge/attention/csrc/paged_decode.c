@@ -411,3 +411,284 @@ int kvf_paged_decode(
     free(order);
     return failed ? -1 : 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Paged prefill attention: the chunks of a step's prefilling sequences, each query attending to its
+ * cached prefix and the chunk's earlier tokens (causal, optionally windowed), K/V read in place.
+ *
+ * Why: SDPA's CPU flash kernel runs these at ~60 GFLOP/s on this project's CPUs, and the paged
+ * cache must first be gathered into contiguous K/V for it. Here a work item is (chunk, KV head,
+ * tile of query tokens); it walks the visible keys 16 at a time, transposes the 16 key rows once
+ * (so scores are plain vector FMAs of a broadcast query element against 16 keys, no horizontal
+ * sums) and serves all query vectors of the tile (tokens x the G heads of the group) from that,
+ * with an online softmax (running max and sum per query vector, fp32).
+ *
+ * Head size 64 (K and V) and at most 8 query heads per KV head; AVX-512 only (the caller checks
+ * `kvf_paged_prefill_supported`). bf16 scores use VDPBF16PS on bf16 query/key pairs.
+ *
+ *   q    [T, H, 64] (rows of the whole step; chunk c holds rows row0[c] .. row0[c] + qlen[c] - 1)
+ *   out  [T, H, 64] (only the chunks' rows are written)
+ *   tables [C, MAXNB] int64; start[c]: tokens already cached before chunk c
+ * --------------------------------------------------------------------------------------------- */
+#ifdef KVF_HAVE_AVX512
+/* Rows r[0..15] (16 floats each) in, columns out: afterwards r[i] lane j holds what r[j] lane i held. */
+static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    /* r[4i + c], 128-bit lane L: rows 4i..4i+3 at column 4L + c */
+    __m512 o[16];
+    for (int c = 0; c < 4; c++) {
+        const __m512 a = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        const __m512 e = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), f = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+        o[c] = _mm512_shuffle_f32x4(a, e, 0x88);
+        o[8 + c] = _mm512_shuffle_f32x4(a, e, 0xDD);
+        o[4 + c] = _mm512_shuffle_f32x4(b, f, 0x88);
+        o[12 + c] = _mm512_shuffle_f32x4(b, f, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = o[i];
+}
+
+typedef struct {
+    int64_t chunk, t0, t1, kv_head, cost;
+} prefill_item;
+
+static int by_cost_desc(const void *a, const void *b) {
+    const int64_t x = ((const prefill_item *)a)->cost, y = ((const prefill_item *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+/* One item: query tokens [t0, t1) of chunk c against KV head j, all G query heads of the group. */
+static inline __attribute__((always_inline)) void prefill_item_run(
+    const prefill_item *it, const char *q, const char *k_cache, const char *v_cache, const int64_t *table,
+    int64_t row0, int64_t start, char *out, int64_t H, int64_t HKV, int64_t BS, int64_t window, float scale,
+    float softcap, int code, float *qf, float *acc, float *mrun, float *lrun, __m512 *kt, float *vf, const int G) {
+    const size_t esz = code == 0 ? 4 : 2;
+    const size_t row_bytes = (size_t)HKV * 64 * esz; /* one token, all KV heads */
+    const size_t head_off = (size_t)it->kv_head * 64 * esz;
+    const int64_t nt = it->t1 - it->t0, nv = nt * G;
+    const int use_dp = 0
+#if defined(__AVX512BF16__)
+        || code == 1
+#endif
+        ;
+    /* Queries as fp32 (or, for VDPBF16PS, kept as their bf16 pairs in place: 32 dwords a vector). */
+    for (int64_t tt = 0; tt < nt; tt++)
+        for (int g = 0; g < G; g++) {
+            const char *src = q + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * esz;
+            float *dst = qf + (tt * G + g) * 64;
+            if (use_dp)
+                memcpy(dst, src, 128);
+            else
+                load_row(dst, src, 64, code);
+        }
+    for (int64_t v = 0; v < nv; v++) {
+        mrun[v] = -INFINITY;
+        lrun[v] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * nv * 64);
+    const int64_t p_first = start + it->t0, p_last = start + it->t1 - 1;
+    const int64_t kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
+    float pbuf[16] __attribute__((aligned(64)));
+    float sbuf[16] __attribute__((aligned(64)));
+    for (int64_t kb = kmin; kb <= p_last; kb += 16) {
+        const int cnt = p_last - kb + 1 < 16 ? (int)(p_last - kb + 1) : 16;
+        /* The 16 key rows of this head, transposed: kt[d] = 16 keys' element d (fp32 path), or
+         * kt[dp] = 16 keys' bf16 pair dp (VDPBF16PS path). V rows widened to fp32 in vf. */
+        const char *krow[16], *vrow[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t key = kb + (r < cnt ? r : 0);
+            const int64_t slot = table[key / BS] * BS + key % BS;
+            krow[r] = k_cache + slot * row_bytes + head_off;
+            vrow[r] = v_cache + slot * row_bytes + head_off;
+        }
+        if (use_dp) {
+            for (int half = 0; half < 2; half++) {
+                for (int r = 0; r < 16; r++)
+                    kt[half * 16 + r] = r < cnt ? _mm512_loadu_ps((const float *)(krow[r] + 64 * half)) : _mm512_setzero_ps();
+                transpose16(kt + half * 16);
+            }
+        } else {
+            for (int c = 0; c < 4; c++) {
+                for (int r = 0; r < 16; r++) {
+                    if (r >= cnt) {
+                        kt[c * 16 + r] = _mm512_setzero_ps();
+                    } else if (code == 0) {
+                        kt[c * 16 + r] = _mm512_loadu_ps((const float *)krow[r] + 16 * c);
+                    } else {
+                        __m512 x[4];
+                        load64(krow[r], code, x);
+                        kt[c * 16 + r] = x[c];
+                    }
+                }
+                transpose16(kt + c * 16);
+            }
+        }
+        for (int r = 0; r < 16; r++) {
+            if (r < cnt)
+                load_row(vf + r * 64, vrow[r], 64, code);
+            else
+                memset(vf + r * 64, 0, 64 * sizeof(float));
+        }
+        for (int64_t tt = 0; tt < nt; tt++) {
+            const int64_t p = p_first + tt; /* this token's position: it sees keys (p - window, p] */
+            const int64_t lo = window > 0 ? p - window + 1 : 0;
+            if (kb > p || kb + cnt - 1 < lo) continue;
+            __mmask16 valid = (__mmask16)((1u << cnt) - 1u);
+            if (kb + 15 > p) valid &= (__mmask16)((1u << (p - kb + 1)) - 1u);
+            if (kb < lo) valid &= (__mmask16)~((1u << (lo - kb)) - 1u);
+            for (int g = 0; g < G; g++) {
+                const int64_t v = tt * G + g;
+                const float *qv = qf + v * 64;
+                __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+#if defined(__AVX512BF16__)
+                if (use_dp) {
+                    const int32_t *qp = (const int32_t *)qv;
+                    for (int dp = 0; dp < 32; dp += 4) {
+                        s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(qp[dp]), (__m512bh)kt[dp]);
+                        s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(qp[dp + 1]), (__m512bh)kt[dp + 1]);
+                        s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32(qp[dp + 2]), (__m512bh)kt[dp + 2]);
+                        s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32(qp[dp + 3]), (__m512bh)kt[dp + 3]);
+                    }
+                } else
+#endif
+                {
+                    for (int d = 0; d < 64; d += 4) {
+                        s0 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d]), kt[d], s0);
+                        s1 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 1]), kt[d + 1], s1);
+                        s2 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 2]), kt[d + 2], s2);
+                        s3 = _mm512_fmadd_ps(_mm512_set1_ps(qv[d + 3]), kt[d + 3], s3);
+                    }
+                }
+                _mm512_store_ps(sbuf, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+                if (softcap > 0.f) {
+                    const float inv_cap = scale / softcap;
+#pragma omp simd
+                    for (int r = 0; r < 16; r++) sbuf[r] = tanhf(sbuf[r] * inv_cap) * softcap;
+                } else {
+#pragma omp simd
+                    for (int r = 0; r < 16; r++) sbuf[r] *= scale;
+                }
+                const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), _mm512_load_ps(sbuf));
+                const float m_new = fmaxf(mrun[v], _mm512_reduce_max_ps(s));
+                const float corr = expf(mrun[v] - m_new); /* 0 on the first block (m was -inf) */
+                _mm512_store_ps(sbuf, _mm512_sub_ps(s, _mm512_set1_ps(m_new)));
+#pragma omp simd
+                for (int r = 0; r < 16; r++) pbuf[r] = expf(sbuf[r]); /* masked keys: exp(-inf) = 0 */
+                lrun[v] = lrun[v] * corr + _mm512_reduce_add_ps(_mm512_load_ps(pbuf));
+                mrun[v] = m_new;
+                float *a = acc + v * 64;
+                const __m512 cv = _mm512_set1_ps(corr);
+                __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(a), cv), a1 = _mm512_mul_ps(_mm512_loadu_ps(a + 16), cv);
+                __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(a + 32), cv), a3 = _mm512_mul_ps(_mm512_loadu_ps(a + 48), cv);
+                for (int r = 0; r < cnt; r++) {
+                    const __m512 w = _mm512_set1_ps(pbuf[r]);
+                    const float *vr = vf + r * 64;
+                    a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr), a0);
+                    a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16), a1);
+                    a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 32), a2);
+                    a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 48), a3);
+                }
+                _mm512_storeu_ps(a, a0);
+                _mm512_storeu_ps(a + 16, a1);
+                _mm512_storeu_ps(a + 32, a2);
+                _mm512_storeu_ps(a + 48, a3);
+            }
+        }
+    }
+    for (int64_t tt = 0; tt < nt; tt++)
+        for (int g = 0; g < G; g++) {
+            const int64_t v = tt * G + g;
+            const float inv = 1.f / lrun[v];
+            float *a = acc + v * 64;
+            for (int d = 0; d < 64; d++) a[d] *= inv;
+            store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * esz, a, 64, code);
+        }
+}
+#endif
+
+#define KVF_PREFILL_TILE_VECTORS 48 /* query vectors (tokens x heads of a group) per work item */
+
+int kvf_paged_prefill_supported(int64_t H, int64_t HKV, int64_t D, int64_t DV, int dtype_code) {
+#ifdef KVF_HAVE_AVX512
+    return D == 64 && DV == 64 && HKV > 0 && H % HKV == 0 && H / HKV <= 8 && (dtype_code == 0 || dtype_code == 1);
+#else
+    (void)H, (void)HKV, (void)D, (void)DV, (void)dtype_code;
+    return 0;
+#endif
+}
+
+int kvf_paged_prefill(
+    const void *q, const void *k_cache, const void *v_cache, const int64_t *tables, int64_t MAXNB,
+    const int64_t *row0, const int64_t *qlen, const int64_t *start, int64_t C, void *out,
+    int64_t H, int64_t HKV, int64_t BS, int64_t window, float scale, float softcap, int dtype_code) {
+    if (!kvf_paged_prefill_supported(H, HKV, 64, 64, dtype_code)) return -2;
+#ifdef KVF_HAVE_AVX512
+    const int64_t G = H / HKV;
+    const int64_t tile = KVF_PREFILL_TILE_VECTORS / G > 0 ? KVF_PREFILL_TILE_VECTORS / G : 1;
+    int64_t n_items = 0;
+    for (int64_t c = 0; c < C; c++) n_items += HKV * ((qlen[c] + tile - 1) / tile);
+    prefill_item *items = malloc(sizeof(prefill_item) * (n_items > 0 ? n_items : 1));
+    if (!items) return -1;
+    int64_t n = 0;
+    for (int64_t c = 0; c < C; c++)
+        for (int64_t t0 = 0; t0 < qlen[c]; t0 += tile)
+            for (int64_t j = 0; j < HKV; j++) {
+                const int64_t t1 = t0 + tile < qlen[c] ? t0 + tile : qlen[c];
+                const int64_t keys = start[c] + t1; /* what the tile's last token sees */
+                items[n++] = (prefill_item){c, t0, t1, j, (t1 - t0) * (window > 0 && keys > window ? window : keys)};
+            }
+    /* Costliest first: dynamic scheduling then ends with the small tiles, and threads finish together. */
+    qsort(items, (size_t)n_items, sizeof(prefill_item), by_cost_desc);
+    int failed = 0;
+#pragma omp parallel
+    {
+#ifdef KVF_HAVE_MXCSR
+        const unsigned int saved_csr = _mm_getcsr();
+        _mm_setcsr(saved_csr | 0x8040); /* FTZ | DAZ, as in the decode kernel */
+#endif
+        float *qf = aligned_alloc(64, sizeof(float) * tile * G * 64);
+        float *acc = aligned_alloc(64, sizeof(float) * tile * G * 64);
+        float *mrun = malloc(sizeof(float) * tile * G), *lrun = malloc(sizeof(float) * tile * G);
+        __m512 *kt = aligned_alloc(64, sizeof(__m512) * 64);
+        float *vf = aligned_alloc(64, sizeof(float) * 16 * 64);
+        const int ok = qf && acc && mrun && lrun && kt && vf;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_items; i++) {
+            if (!ok) continue;
+            const prefill_item *it = items + i;
+            const int64_t c = it->chunk;
+#define KVF_PREFILL(GC)                                                                                        \
+    prefill_item_run(it, (const char *)q, (const char *)k_cache, (const char *)v_cache, tables + c * MAXNB, row0[c], \
+                     start[c], (char *)out, H, HKV, BS, window, scale, softcap, dtype_code, qf, acc, mrun, lrun, kt, vf, GC)
+            KVF_DISPATCH_G(G, KVF_PREFILL)
+#undef KVF_PREFILL
+        }
+        free(qf);
+        free(acc);
+        free(mrun);
+        free(lrun);
+        free(kt);
+        free(vf);
+#ifdef KVF_HAVE_MXCSR
+        _mm_setcsr(saved_csr);
+#endif
+    }
+    free(items);
+    return failed ? -1 : 0;
+#endif
+}
