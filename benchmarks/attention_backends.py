@@ -3,7 +3,7 @@
 Shapes of the default model (9 query heads, 3 KV heads, head_dim 64): a decode
 batch of 32 sequences with contexts U[100, 600), and one 200-token prefill chunk
 after 300 cached tokens. Checks that the backends agree with the reference, then
-times them (the `cpu` backend differs from `sdpa` only in its decode rows).
+times them (the `cpu` backend runs both in its in-place C kernels at this head size).
 
     python benchmarks/attention_backends.py
 """
