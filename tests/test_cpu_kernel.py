@@ -166,3 +166,30 @@ def test_prefill_kernel_reach_and_index_checks():
     chunks[1].block_table[0] = cache.num_blocks
     with pytest.raises(ValueError, match="out of range"):
         cpu_kernel.prefill_indices(chunks, q.shape[0], cache.num_blocks, 16)
+
+
+def test_kernels_without_avx512_build_and_match_the_reference(tmp_path):
+    """CPUs without AVX-512 get the portable loops (decode) and SDPA (prefill): built here with
+    -mno-avx512f, they must still compile, load and agree with the reference."""
+    code = (
+        "import torch, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from test_cpu_kernel import _decode_batch, _prefill_batch\n"
+        "from kvforge.attention import cpu_kernel\n"
+        "from kvforge.attention.torch_ref import decode_attention\n"
+        "from kvforge.models import fused\n"
+        "assert cpu_kernel.available(), cpu_kernel.unavailable_reason()\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    q, cache, meta = _decode_batch(dtype, 9, 3, 64, 64, 16, lens=[1, 17, 100, 333])\n"
+        "    ref = decode_attention(q, cache, meta, 0.125)\n"
+        "    out = cpu_kernel.paged_decode(q, cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, 0.125)\n"
+        "    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)\n"
+        "    q, cache, chunks = _prefill_batch(dtype, 9, 3, 16, [(0, 20)])\n"
+        "    assert not cpu_kernel.prefill_supported(q, cache.k, cache.v)\n"
+        "x = torch.randn(4, 100)\n"
+        "assert torch.equal(fused.argmax_rows(x), x.argmax(-1))\n"
+        "print('ok')\n"
+    ) % os.path.dirname(__file__)
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS="-mno-avx512f", KVFORGE_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

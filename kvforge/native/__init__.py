@@ -11,6 +11,8 @@ Each shared object is cached under `$KVFORGE_CACHE_DIR` (default
 this CPU, since `-march=native` code must not move to another machine. Without
 a compiler, or with the library's switch-off variable set to 0, loading
 returns the reason instead, and callers keep their torch paths.
+`KVFORGE_EXTRA_CFLAGS` appends compiler flags (e.g. `-mno-avx512f` to build
+the portable paths that CPUs without AVX-512 get; the tests do).
 """
 from __future__ import annotations
 
@@ -88,7 +90,7 @@ class NativeLibrary:
         compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
         if compiler is None:
             return None, "no C compiler (gcc/cc) on PATH"
-        flags = CFLAGS + self.extra_flags
+        flags = CFLAGS + self.extra_flags + tuple(os.environ.get("KVFORGE_EXTRA_CFLAGS", "").split())
         try:
             path = cache_path(self.source, compiler, flags)
             if not path.exists():

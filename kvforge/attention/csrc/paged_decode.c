@@ -110,6 +110,18 @@ static inline __attribute__((always_inline)) void accumulate_row(
 }
 
 
+#ifndef KVF_PREFETCH_ROWS
+#define KVF_PREFETCH_ROWS 64
+#endif
+/* Fetch the whole rows [i0, i0 + cnt) (all KV heads) ahead of use into L2 (prefetcht1): measured
+ * 20% faster per bf16 layer out of DRAM than into L1, whose few miss buffers the 6-12 lines of each
+ * row fill up. Blocks are scattered in the pool, so the hardware prefetchers lose the stream at
+ * every block boundary; these do not. */
+static inline void prefetch_rows(const char *cache, const int64_t *slots, int64_t i0, int64_t cnt, size_t row) {
+    for (int64_t i = i0; i < i0 + cnt; i++)
+        for (size_t off = 0; off < row; off += 64) __builtin_prefetch(cache + slots[i] * row + off, 0, 2);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define KVF_HAVE_AVX512 1
@@ -206,18 +218,6 @@ static inline __attribute__((always_inline)) void values_d64(
     }
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_mem + g * 64 + 16 * c, acc[g][c]);
-}
-
-#ifndef KVF_PREFETCH_ROWS
-#define KVF_PREFETCH_ROWS 64
-#endif
-/* Fetch the whole rows [i0, i0 + cnt) (all KV heads) ahead of use into L2 (prefetcht1): measured
- * 20% faster per bf16 layer out of DRAM than into L1, whose few miss buffers the 6-12 lines of each
- * row fill up. Blocks are scattered in the pool, so the hardware prefetchers lose the stream at
- * every block boundary; these do not. */
-static inline void prefetch_rows(const char *cache, const int64_t *slots, int64_t i0, int64_t cnt, size_t row) {
-    for (int64_t i = i0; i < i0 + cnt; i++)
-        for (size_t off = 0; off < row; off += 64) __builtin_prefetch(cache + slots[i] * row + off, 0, 2);
 }
 
 #if defined(__AVX512BF16__)
@@ -777,5 +777,7 @@ int kvf_paged_prefill(
     }
     free(items);
     return failed ? -1 : 0;
+#else
+    return -2;
 #endif
 }
