@@ -168,15 +168,18 @@ def test_prefill_kernel_reach_and_index_checks():
         cpu_kernel.prefill_indices(chunks, q.shape[0], cache.num_blocks, 16)
 
 
-def test_kernels_without_avx512_build_and_match_the_reference(tmp_path):
-    """CPUs without AVX-512 get the portable loops (decode) and SDPA (prefill): built here with
-    -mno-avx512f, they must still compile, load and agree with the reference."""
+@pytest.mark.parametrize("flags,prefill_kernel", [("-mno-avx512f", False), ("-mno-avx512bf16", True)],
+                         ids=["no-avx512", "avx512-without-bf16"])
+def test_kernels_for_other_cpus_build_and_match_the_reference(tmp_path, flags, prefill_kernel):
+    """CPUs without AVX-512 get the portable decode loops and SDPA prefill; AVX-512 CPUs without its
+    bf16 instructions (Ice Lake) widen bf16 rows instead. Built here with those flags, both must
+    compile, load and agree with the reference."""
     code = (
         "import torch, sys\n"
         "sys.path.insert(0, %r)\n"
         "from test_cpu_kernel import _decode_batch, _prefill_batch\n"
         "from kvforge.attention import cpu_kernel\n"
-        "from kvforge.attention.torch_ref import decode_attention\n"
+        "from kvforge.attention.torch_ref import decode_attention, prefill_attention\n"
         "from kvforge.models import fused\n"
         "assert cpu_kernel.available(), cpu_kernel.unavailable_reason()\n"
         "for dtype in (torch.float32, torch.bfloat16):\n"
@@ -184,12 +187,17 @@ def test_kernels_without_avx512_build_and_match_the_reference(tmp_path):
         "    ref = decode_attention(q, cache, meta, 0.125)\n"
         "    out = cpu_kernel.paged_decode(q, cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, 0.125)\n"
         "    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)\n"
-        "    q, cache, chunks = _prefill_batch(dtype, 9, 3, 16, [(0, 20)])\n"
-        "    assert not cpu_kernel.prefill_supported(q, cache.k, cache.v)\n"
+        "    q, cache, chunks = _prefill_batch(dtype, 9, 3, 16, [(0, 40), (7, 30)])\n"
+        "    assert cpu_kernel.prefill_supported(q, cache.k, cache.v) == %r\n"
+        "    if %r:\n"
+        "        idx = cpu_kernel.prefill_indices(chunks, q.shape[0], cache.num_blocks, 16)\n"
+        "        out = cpu_kernel.paged_prefill(q, cache.k, cache.v, idx, 0.125, None, None, torch.empty_like(q))\n"
+        "        ref = torch.cat([prefill_attention(q, cache, c, 0.125) for c in chunks])\n"
+        "        torch.testing.assert_close(out.float(), ref.float(), atol=4e-2, rtol=4e-2)\n"
         "x = torch.randn(4, 100)\n"
         "assert torch.equal(fused.argmax_rows(x), x.argmax(-1))\n"
         "print('ok')\n"
-    ) % os.path.dirname(__file__)
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS="-mno-avx512f", KVFORGE_CACHE_DIR=str(tmp_path))
+    ) % (os.path.dirname(__file__), prefill_kernel, prefill_kernel)
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
