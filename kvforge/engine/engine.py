@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvforge.config import ModelConfig, SchedulerConfig
-from kvforge.engine.args import EngineArgs
+from kvforge.config import ModelConfig
+from kvforge.engine.args import EngineConfig
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
@@ -40,63 +40,64 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         from kvforge.models.loader import load_checkpoint
 
-        self.args = args
-        checkpoint = load_checkpoint(args.model)
+        self.config = config
+        opts = config.model_config
+        checkpoint = load_checkpoint(opts.model)
         self.tokenizer = checkpoint.tokenizer
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_model(self.model_config)
         model.load_weights(checkpoint.weights)
         del checkpoint
-        self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
+        self.model = model.to(dtype=TORCH_DTYPES[opts.dtype], device=self.device).eval()
         pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
         self._init_cache_and_scheduler()
 
     def _init_cache_and_scheduler(self) -> None:
-        args, cfg = self.args, self.model_config
-        cache_cfg = args.cache_config()
-        self.cache_format = cache_cfg.cache_format(args.dtype)
+        config, cfg = self.config, self.model_config
+        opts, cache_cfg, sched = config.model_config, config.cache_config, config.scheduler_config
+        self.cache_format = cache_cfg.cache_format(opts.dtype)
         shape = cfg.kv_shape()
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
             cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
         )
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes holds no block of this model's KV cache")
-        max_model_len = args.max_model_len or cfg.max_position_embeddings
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
+        max_model_len = sched.max_model_len or cfg.max_position_embeddings
+        self.scheduler_config = replace(sched, max_model_len=max_model_len)
         # hybrid local/global models: one pool per window group in the memory of `num_blocks` shared blocks
         groups = split_kv_blocks(shape, self.cache_format, cache_cfg.block_size, num_blocks,
-                                 args.max_num_seqs, args.max_num_batched_tokens)
+                                 sched.max_num_seqs, sched.max_num_batched_tokens)
         self.kv = make_kv_manager(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         layer_groups = {layer: g for g, group in enumerate(groups) for layer in group.layers}
         caches = make_layer_caches(
             cfg, self.cache_format, [groups[layer_groups[i]].num_blocks for i in range(cfg.num_layers)],
-            cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
+            cache_cfg.block_size, self.device, TORCH_DTYPES[opts.dtype],
         )
-        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend,
+        self.runner = ModelRunner(self.model, caches, self.kv, self.device, opts.seed, opts.attention_backend,
                                   [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self.report: StartupReport = build_startup_report(
-            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, args
+            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
         )
-        if args.log_ledger:
+        if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
 
     def reconfigure_kv_cache(self, **changes: object) -> None:
-        """Rebuild pool, manager, scheduler and runner with changed EngineArgs (e.g. kv_cache_dtype), keeping the
+        """Rebuild pool, manager, scheduler and runner with changed engine options (e.g. kv_cache_dtype), keeping the
         loaded weights: how `kvforge eval kv-quant` compares cache formats without reloading the model."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot reconfigure the KV cache while requests are running")
-        self.args = replace(self.args, **changes)  # type: ignore[arg-type]
+        self.config = self.config.replace(**changes)
         self._init_cache_and_scheduler()
 
     # ---- requests -------------------------------------------------------------------------
