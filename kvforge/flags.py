@@ -119,3 +119,8 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (tuple, list)) else "%(default)s"
         return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of `cls`'s field `name`: how another command reuses a config default without copying it."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)

@@ -11,29 +11,29 @@ import json
 import os
 
 from kvforge.config import CacheConfig
+from kvforge.flags import default_of, flag_errors
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cache", help="prefix-cache tools (explain a miss)")
-    cache_sub = p.add_subparsers(dest="cache_command", metavar="SUBCOMMAND")
-    cache_sub.required = True
-    e = cache_sub.add_parser("explain", help="show where prompt B stops reusing prompt A's cached blocks")
+HELP = "show where prompt B stops reusing prompt A's cached blocks"
+
+
+def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("prompt_a", nargs="?", default=None, help="first prompt (the one already cached)")
     e.add_argument("prompt_b", nargs="?", default=None, help="second prompt")
     e.add_argument("--file-a", default=None, help="read prompt A from a file (for long prompts)")
     e.add_argument("--file-b", default=None, help="read prompt B from a file")
     e.add_argument("--model", default=None, help="HF folder or .gguf whose tokenizer to use (default SmolLM2-135M)")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--block-size", type=int, default=default_of(CacheConfig, "block_size"), help="tokens per KV block")
     e.add_argument("--salt-a", default=None, help="cache_salt of request A")
     e.add_argument("--salt-b", default=None, help="cache_salt of request B")
     e.add_argument("--json", action="store_true", help="print the report as JSON")
-    e.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.kv.explain import explain
 
-    block_size = CacheConfig(block_size=args.block_size).block_size  # validates, naming block_size
+    with flag_errors({"block_size": "--block-size"}):
+        block_size = CacheConfig(block_size=args.block_size).block_size  # validates
     prompt_a = _prompt(args.prompt_a, args.file_a, "a")
     prompt_b = _prompt(args.prompt_b, args.file_b, "b")
     tok = load_tokenizer(args.model)

@@ -28,6 +28,7 @@ from kvforge.kv.hybrid import make_kv_manager
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
+from kvforge.progress import StageProgress
 
 
 @dataclass
@@ -41,19 +42,24 @@ class EngineCounters:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from kvforge.models.loader import load_checkpoint
+        from kvforge.models.loader import DEFAULT_MODEL_NAME, load_checkpoint
 
         self.config = config
         opts = config.model_config
-        checkpoint = load_checkpoint(opts.model)
-        self.tokenizer = checkpoint.tokenizer
-        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = build_model(self.model_config)
-        model.load_weights(checkpoint.weights)
-        del checkpoint
-        self.model = model.to(dtype=TORCH_DTYPES[opts.dtype], device=self.device).eval()
-        pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+        stages = ["reading weights", "building model", "packing linear layers"]
+        with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
+            checkpoint = load_checkpoint(opts.model)
+            p.next()
+            self.tokenizer = checkpoint.tokenizer
+            self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+            self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = build_model(self.model_config)
+            model.load_weights(checkpoint.weights)
+            del checkpoint
+            self.model = model.to(dtype=TORCH_DTYPES[opts.dtype], device=self.device).eval()
+            p.next()
+            pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+            p.next()
         self._init_cache_and_scheduler()
 
     def _init_cache_and_scheduler(self) -> None:
