@@ -44,13 +44,17 @@ def _cpu_fingerprint() -> str:
         return platform.processor()
 
 
+def cache_root() -> Path:
+    """kvforge's on-disk cache: `$KVFORGE_CACHE_DIR`, default `~/.cache/kvforge` (kernels, tokenizers)."""
+    return Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge"))
+
+
 def cache_path(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
         source.read_bytes() + " ".join(flags).encode() + version.encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:16]
-    root = Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge")) / "kernels"
-    return root / f"{source.stem}-{key}.so"
+    return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
 def build(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> None:
