@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvforge.config import ModelConfig, SchedulerConfig
-from kvforge.engine.args import EngineArgs
+from kvforge.config import ModelConfig
+from kvforge.engine.args import EngineConfig
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
@@ -28,6 +28,7 @@ from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
+from kvforge.progress import StageProgress
 
 
 @dataclass
@@ -40,35 +41,41 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        from kvforge.models.loader import load_checkpoint
+    def __init__(self, config: EngineConfig) -> None:
+        from kvforge.models.loader import DEFAULT_MODEL_NAME, load_checkpoint
 
-        self.args = args
-        checkpoint = load_checkpoint(args.model)
-        self.tokenizer = checkpoint.tokenizer
-        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = build_model(self.model_config)
-        model.load_weights(checkpoint.weights)
-        del checkpoint
-        self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
-        pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+        self.config = config
+        opts = config.model_config
+        stages = ["reading weights", "building model", "packing linear layers"]
+        with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
+            checkpoint = load_checkpoint(opts.model)
+            p.next()
+            self.tokenizer = checkpoint.tokenizer
+            self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+            self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            model = build_model(self.model_config)
+            model.load_weights(checkpoint.weights)
+            del checkpoint
+            self.model = model.to(dtype=TORCH_DTYPES[opts.dtype], device=self.device).eval()
+            p.next()
+            pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+            p.next()
         self._init_cache_and_scheduler()
 
     def _init_cache_and_scheduler(self) -> None:
-        args, cfg = self.args, self.model_config
-        cache_cfg = args.cache_config()
-        self.cache_format = cache_cfg.cache_format(args.dtype)
+        config, cfg = self.config, self.model_config
+        opts, cache_cfg, sched = config.model_config, config.cache_config, config.scheduler_config
+        self.cache_format = cache_cfg.cache_format(opts.dtype)
         shape = cfg.kv_shape()
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
             cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
         )
-        max_model_len = args.max_model_len or cfg.max_position_embeddings
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
+        max_model_len = sched.max_model_len or cfg.max_position_embeddings
+        self.scheduler_config = replace(sched, max_model_len=max_model_len)
         # One pool per KV cache group (a plain model: one) in the memory of `num_blocks` single-table
         # blocks, each pool's null block included.
         groups = split_kv_blocks(shape, self.cache_format, cache_cfg.block_size, num_blocks,
-                                 args.max_num_seqs, args.max_num_batched_tokens)
+                                 sched.max_num_seqs, sched.max_num_batched_tokens)
         if min(g.num_blocks for g in groups) < 1:
             what = (f"num_kv_blocks={num_blocks}" if cache_cfg.num_kv_blocks
                     else f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes")
@@ -80,27 +87,27 @@ class LLMEngine:
         layer_groups = [group_of[i] for i in range(cfg.num_layers)]
         caches = make_layer_caches(
             cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
-            cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
+            cache_cfg.block_size, self.device, TORCH_DTYPES[opts.dtype],
         )
-        self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, args.seed,
-                                  args.attention_backend)
+        self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
+                                  opts.attention_backend)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self.report: StartupReport = build_startup_report(
-            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, args
+            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
         )
-        if args.log_ledger:
+        if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
 
     def reconfigure_kv_cache(self, **changes: object) -> None:
-        """Rebuild pool, manager, scheduler and runner with changed EngineArgs (e.g. kv_cache_dtype), keeping the
+        """Rebuild pool, manager, scheduler and runner with changed engine options (e.g. kv_cache_dtype), keeping the
         loaded weights: how `kvforge eval kv-quant` compares cache formats without reloading the model."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot reconfigure the KV cache while requests are running")
-        self.args = replace(self.args, **changes)  # type: ignore[arg-type]
+        self.config = self.config.replace(**changes)
         self._init_cache_and_scheduler()
 
     # ---- requests -------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvforge.models.gguf_meta import field
+
 logger = logging.getLogger(__name__)
 
 # llama.cpp tensor name (inside blk.N) -> HF module path (inside model.layers.N), llama family
@@ -72,12 +74,6 @@ _IGNORED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 Meta = Callable[..., Any]  # meta(key, default=None): one `{arch}.key` metadata value
-
-
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    """One metadata value (scalar, string or list), or `default` when the key is absent."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def _f32(x: float) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvforge.models.gguf_loader import field
+from kvforge.models.gguf_meta import field
 
 logger = logging.getLogger(__name__)
 

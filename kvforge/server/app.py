@@ -21,11 +21,11 @@ from starlette.types import Receive, Scope, Send
 
 from kvforge.server.async_engine import AsyncEngine
 from kvforge.server.auth import check_bearer
+from kvforge.server.config import DEFAULT_MAX_REQUEST_BYTES
 from kvforge.server.protocol import APIError, GenerationRequest, parse_chat_request, parse_completion_request
 from kvforge.server.serving import OpenAIServing
 
 log = logging.getLogger("kvforge.server")
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 class SSEResponse(StreamingResponse):
