@@ -5,6 +5,7 @@ import argparse
 from dataclasses import asdict, dataclass, fields
 
 from kvforge.config import KV_CACHE_DTYPES, KV_CACHE_SCALES, SUPPORTED_DTYPES, CacheConfig
+from kvforge.engine.sampling_params import SEED_MAX
 from kvforge.ledger import parse_bytes
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
@@ -44,8 +45,8 @@ class EngineArgs:
         from kvforge.attention import check_backend  # torch-heavy: imported only when an engine is configured
 
         check_backend(self.attention_backend)
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self.cache_config()  # validates block_size, num_kv_blocks, kv_cache_dtype, k/v_cache_dtype, kv_cache_scale
