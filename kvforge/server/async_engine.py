@@ -97,6 +97,11 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     @property
+    def num_in_flight(self) -> int:
+        """Engine requests not yet finished, queued ones included (what a drain waits for)."""
+        return len(self._groups) + self._pending
+
+    @property
     def num_queued(self) -> int:
         """Requests waiting for admission: in the engine's queue, plus posted and not yet taken."""
         return self._waiting + self._pending
