@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
-from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
@@ -23,6 +23,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) ->
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    seed = args.sampling_seed
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"--sampling-seed must be in [0, 2**63 - 1], got {seed}")
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.sampling_seed, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,

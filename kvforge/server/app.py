@@ -120,6 +120,33 @@ def _lone_surrogate(data: Any) -> str | None:
     return None
 
 
+class InternalErrors:
+    """ASGI middleware: an unexpected exception becomes a generic 500 (details in the log, once), and the
+    connection stays usable. Starlette's own `Exception` handler would re-raise it to uvicorn, which logs
+    the traceback a second time and drops the keep-alive connection."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: log it, answer 500
+            log.error("internal error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            if scope["type"] != "http" or started:
+                raise
+            err = APIError("internal server error (details are in the server log)", status=500,
+                           type="server_error", code="internal_error")
+            await _error(err)(scope, receive, send)
+
+
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -156,11 +183,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(APIError(str(exc.detail), status=exc.status_code, code=None))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return _error(APIError("internal server error (details are in the server log)", status=500,
-                               type="server_error", code="internal_error"))
+    app.add_middleware(InternalErrors)
 
     async def generate(request: Request, req: GenerationRequest) -> Response:
         base, subs = serving.prepare(req)
