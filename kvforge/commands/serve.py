@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from kvforge.engine.args import add_engine_cli_args, engine_args_from_cli
 from kvforge.flags import add_dataclass_flags, flag_errors, flags_of, values_for
@@ -36,22 +37,30 @@ def server_config_from_cli(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvforge.engine.engine import LLMEngine
     from kvforge.server.app import build_app
     from kvforge.server.async_engine import AsyncEngine
     from kvforge.server.auth import resolve_api_key
+    from kvforge.server.lifecycle import DrainingServer, ServerLimits, uvicorn_config
 
     server = server_config_from_cli(args)
     engine_config = engine_args_from_cli(args)  # validates the engine flags before the slow model load
     logging.basicConfig(level=server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = server.served_model_name or served_model_name(engine_config.model_config.model)
-    engine = AsyncEngine(LLMEngine(engine_config)).start()
-    app = build_app(engine, name, api_key=resolve_api_key(server.api_key), max_request_bytes=server.max_request_bytes)
+    limits = ServerLimits(server.header_timeout, server.keep_alive_timeout, server.max_connections,
+                          server.shutdown_timeout)
+    engine = AsyncEngine(LLMEngine(engine_config), max_waiting_requests=server.max_waiting_requests).start()
+    app = build_app(engine, name, api_key=resolve_api_key(server.api_key), max_request_bytes=server.max_request_bytes,
+                    body_timeout=server.body_timeout)
+    uv = DrainingServer(uvicorn_config(app, limits, host=server.host, port=server.port, log_level=server.log_level),
+                        engine, limits.shutdown_timeout)
     print(f"kvforge serve: '{name}' on http://{server.host}:{server.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level, timeout_graceful_shutdown=5)
+        uv.run()
     finally:
         engine.shutdown()
+    if uv.fatal is not None:
+        print(f"kvforge serve: error: the engine cannot continue ({type(uv.fatal).__name__}); exiting so a "
+              "supervisor can restart the server (details above)", file=sys.stderr, flush=True)
+        return 1
     return 0

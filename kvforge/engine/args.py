@@ -20,6 +20,7 @@ from typing import Any
 
 from kvforge.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig
 from kvforge.flags import add_dataclass_flags, flag_errors, flags_of, option, values_for
+from kvforge.engine.sampling_params import SEED_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +40,8 @@ class ModelOptions:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {self.attention_backend!r}")

@@ -20,7 +20,8 @@ from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.request_check import RequestLimits, check_request
+from kvforge.engine.scheduler import Scheduler, SchedulerOutput
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
 from kvforge.kv.calibration import calibrate_static_scales
@@ -29,6 +30,14 @@ from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
 from kvforge.progress import StageProgress
+
+
+class StepFailed(RuntimeError):
+    """Running a step raised; `request_ids` are the caller requests scheduled in it (the cause is chained)."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"engine step failed for requests {request_ids}")
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -127,21 +136,30 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        self.check_request(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.samples:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
         req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n)
-        self.scheduler.add_request(req)  # validates lengths and n
+        self.scheduler.add_request(req)
         self.outputs.add(req, prompt)
         self.samples[request_id] = [req]
         return request_id
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for: the effective context length, vocabulary and batch width."""
+        return RequestLimits(self.scheduler_config.max_model_len, self.scheduler.max_seq_len,
+                             self.model_config.vocab_size, self.scheduler_config.max_num_seqs, self.kv.block_size)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      strict_max_tokens: bool = False) -> int:
+        """The single admission check (LLM, CLI and server alike): RequestRejected (a ValueError naming the
+        field) or the number of new tokens that fit after the prompt. Reads only immutable limits, so the
+        server may call it off the engine thread."""
+        return check_request(list(prompt_token_ids), params, self.limits, strict_max_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request and, with n > 1, every one of its samples."""
@@ -164,7 +182,16 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduled step. If running it fails, StepFailed names the caller requests it held, so a
+        server can fail just those and keep serving (their blocks are freed by abort_request)."""
         sched_out = self.scheduler.schedule()
+        try:
+            return self._run_step(sched_out)
+        except Exception as exc:
+            ids = list(dict.fromkeys(c.request.group_id for c in sched_out.chunks))
+            raise StepFailed(ids) from exc
+
+    def _run_step(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         now = time.monotonic()
         for chunk in sched_out.chunks:
             if chunk.request.first_scheduled_time is None:
