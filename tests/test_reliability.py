@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvforge.cli import main
-from kvforge.engine.args import EngineArgs
+from kvforge.engine.args import EngineArgs, EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.request_check import RequestLimits, RequestRejected, check_request
 from kvforge.engine.sampling_params import SEED_MAX, SamplingParams, sample_seed
@@ -23,6 +23,7 @@ from kvforge.server.background import BackgroundServer
 from kvforge.server.lifecycle import ServerLimits
 from server_fixtures import MODEL_NAME, on_engine, parse_metrics, tiny_model_dir, wait_idle_and_check_blocks
 
+ENGINE_OPTIONS = EngineConfig().to_dict()  # every flat engine option name
 OK = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 3}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
 LIMITS = ServerLimits(header_timeout=1.5, keep_alive_timeout=5, max_connections=48, shutdown_timeout=1.0)
@@ -35,7 +36,7 @@ def model_dir(tmp_path_factory):
 
 def _server(model_dir: str, limits: ServerLimits = LIMITS, **kwargs: object) -> BackgroundServer:
     engine_kw: dict = dict(num_kv_blocks=256, max_model_len=256, max_num_seqs=8, log_ledger=False)
-    engine_kw.update({k: kwargs.pop(k) for k in list(kwargs) if k in EngineArgs.__dataclass_fields__})
+    engine_kw.update({k: kwargs.pop(k) for k in list(kwargs) if k in ENGINE_OPTIONS})
     engine = LLMEngine(EngineArgs(model=model_dir, **engine_kw))
     return BackgroundServer(engine, model_name=MODEL_NAME, limits=limits, max_request_bytes=8 << 20,
                             **kwargs).start()  # type: ignore[arg-type]
