@@ -97,9 +97,10 @@ def _check(q, cache, meta, scale=0.125, window=None, softcap=None, tol=None):
 @pytest.mark.parametrize("gran", GRANULARITIES)
 @pytest.mark.parametrize("name", FORMATS)
 def test_quantized_decode_matches_reference(name, gran, compute):
-    for heads, kv_heads in ((3, 3), (6, 3), (9, 3), (8, 2), (10, 2), (12, 2), (7, 1), (8, 1)):  # groups 1-8
-        q, cache, meta = _case(name, name, gran, compute, heads, kv_heads, seed=heads)
-        _check(q, cache, meta)
+    q, cache, meta = _case(name, name, gran, compute, 2, 2)
+    gen = torch.Generator().manual_seed(5)
+    for group in range(1, 9):  # query heads per KV head
+        _check(torch.randn(q.shape[0], 2 * group, 64, generator=gen).to(compute), cache, meta)
 
 
 @pytest.mark.parametrize("k_dtype,v_dtype,gran", [
@@ -142,10 +143,10 @@ def test_quantized_engine_greedy_is_unchanged_by_the_kernel(tiny_model_factory):
 
     path, _ = tiny_model_factory("llama_gqa")
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 23, 40, 70)]
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 40, 70)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for kwargs in ({"kv_cache_dtype": "int8", "kv_cache_scale": "channel"}, {"kv_cache_dtype": "fp8"},
-                   {"k_cache_dtype": "auto", "v_cache_dtype": "int4"}):
+    for kwargs in ({"kv_cache_dtype": "int8", "kv_cache_scale": "channel"},
+                   {"k_cache_dtype": "auto", "v_cache_dtype": "fp8"}):
         outs = {}
         for backend in ("cpu", "torch"):
             llm = LLM(model=path, log_ledger=False, num_kv_blocks=64, attention_backend=backend, **kwargs)
@@ -164,11 +165,10 @@ def test_quantized_kernel_without_avx512_builds_and_matches(tmp_path):
         "from test_cpu_kernel_quant import _case, _check\n"
         "from kvforge.attention import cpu_kernel\n"
         "assert cpu_kernel.available(), cpu_kernel.unavailable_reason()\n"
-        "for name in ('fp8_e4m3', 'fp8_e5m2', 'int8', 'int4'):\n"
-        "    for gran in ('token', 'head', 'channel', 'tensor'):\n"
-        "        for compute in (torch.float32, torch.bfloat16):\n"
-        "            q, cache, meta = _case(name, name, gran, compute, 8, 2, lens=(60, 1, 17))\n"
-        "            _check(q, cache, meta)\n"
+        "for name, gran in (('fp8_e4m3', 'head'), ('fp8_e5m2', 'tensor'), ('int8', 'channel'), ('int4', 'token')):\n"
+        "    for compute in (torch.float32, torch.bfloat16):\n"
+        "        q, cache, meta = _case(name, name, gran, compute, 8, 2, lens=(60, 1, 17))\n"
+        "        _check(q, cache, meta)\n"
         "print('ok')\n"
     ) % os.path.dirname(__file__)
     env = dict(os.environ, KVFORGE_EXTRA_CFLAGS="-mno-avx512f", KVFORGE_CACHE_DIR=str(tmp_path))

@@ -64,8 +64,12 @@ def paged_attention_cpu(
         key = ("cpu_prefill", num_blocks, block_size)
         if key not in meta.derived:
             meta.derived[key] = cpu_kernel.prefill_indices(meta.prefills, q.shape[0], num_blocks, block_size)
-        return cpu_kernel.paged_prefill(q, cache.k, cache.v, meta.derived[key], scale, sliding_window, softcap, out)
-    for chunk in meta.prefills:  # SDPA cannot soft-cap: those chunks take the reference path
-        out[chunk.rows] = (prefill_attention(q, cache, chunk, scale, sliding_window, softcap) if softcap
-                           else prefill_attention_sdpa(q, cache, chunk, scale, sliding_window))
-    return out
+        cpu_kernel.paged_prefill(q, cache.k, cache.v, meta.derived[key], scale, sliding_window, softcap, out)
+    else:
+        for chunk in meta.prefills:  # SDPA cannot soft-cap: those chunks take the reference path
+            out[chunk.rows] = (prefill_attention(q, cache, chunk, scale, sliding_window, softcap) if softcap
+                               else prefill_attention_sdpa(q, cache, chunk, scale, sliding_window))
+    first = meta.prefills[0].rows.start
+    # The backends return the decode rows then the chunks' rows: rows between them (MLA's prefill-only
+    # call passes the whole step's q with its decode rows) belong to nobody.
+    return out if first == nd else torch.cat((out[:nd], out[first:]))

@@ -13,7 +13,7 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = None  # None = the default model (SmolLM2-135M-Instruct GGUF)
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bf16 on CPUs with native bf16, the checkpoint's dtype on GPU, else fp32
     device: str | None = None  # None = cuda when available, else cpu
     block_size: int = 16
     kv_cache_memory: int | str | None = None
@@ -31,8 +31,8 @@ class EngineArgs:
     log_ledger: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *SUPPORTED_DTYPES):
+            raise ValueError(f"dtype must be one of {('auto', *SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -67,7 +67,8 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags every serving command shares (`kvforge generate|chat|serve|bench`)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF folder, .gguf file, or omitted for SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
+    g.add_argument("--dtype", default="auto", choices=("auto", *SUPPORTED_DTYPES),
+                   help="auto: bf16 on CPUs with native bf16 (KVFORGE_AUTO_BF16=0: never), the checkpoint's on GPU, else fp32")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default 1GiB)")
