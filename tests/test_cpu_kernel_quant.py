@@ -16,6 +16,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.torch_ref import decode_attention
 from kvforge.kv import quant
 from kvforge.kv.quantized_cache import QuantizedKVCache
+from test_cpu_kernel import HAS_AVX512
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
 
@@ -156,6 +157,7 @@ def test_quantized_engine_greedy_is_unchanged_by_the_kernel(tiny_model_factory):
         assert outs["cpu"] == outs["torch"], kwargs
 
 
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU's own build is already the portable (no AVX-512) one")
 def test_quantized_kernel_without_avx512_builds_and_matches(tmp_path):
     """The portable loops (what CPUs without AVX-512 run, and every compressed operand everywhere),
     built with -mno-avx512f, against the reference."""
