@@ -28,7 +28,8 @@ class ModelOptions:
     """Which weights, in which dtype, on which device, through which attention path."""
 
     model: str | None = option(None, "HF folder, .gguf file, or omitted for SmolLM2-135M-Instruct")
-    dtype: str = option("float32", "model dtype", choices=SUPPORTED_DTYPES)
+    dtype: str = option("auto", "model dtype; auto: bf16 on CPUs with native bf16 (KVFORGE_AUTO_BF16=0: never), "
+                        "the checkpoint's on GPU, else fp32", choices=("auto", *SUPPORTED_DTYPES))
     device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda if available)")
     seed: int = option(0, "seed for requests that do not set their own")
     attention_backend: str = option(
@@ -36,8 +37,8 @@ class ModelOptions:
         "sdpa = PyTorch fused kernels; torch = reference implementation", choices=ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *SUPPORTED_DTYPES):
+            raise ValueError(f"dtype must be one of {('auto', *SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:

@@ -15,6 +15,7 @@ import torch
 
 from kvforge.config import ModelConfig
 from kvforge.engine.args import EngineConfig
+from kvforge.engine.dtype_choice import resolve_dtype
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
@@ -62,6 +63,9 @@ class LLMEngine:
             self.tokenizer = checkpoint.tokenizer
             self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
             self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
+            self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
+            opts = config.model_config
             model = build_model(self.model_config)
             model.load_weights(checkpoint.weights)
             del checkpoint
@@ -107,6 +111,7 @@ class LLMEngine:
         self.report: StartupReport = build_startup_report(
             self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
         )
+        self.report.dtype_reason = self.dtype_reason
         if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text

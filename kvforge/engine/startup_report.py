@@ -43,6 +43,7 @@ class StartupReport:
     groups: list[KVGroup] = field(default_factory=list)  # hybrid models: one pool per group, full attention first
     attention: str = ""  # the attention backend in use, fallbacks named
     linear: str = ""  # how linear layers run (oneDNN packing on CPU)
+    dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
 
     @property
     def token_capacity(self) -> int:
@@ -57,6 +58,7 @@ class StartupReport:
     def render(self) -> str:
         rows = [
             ("model", f"{self.model} ({self.architecture}, {self.dtype}, {self.device})"),
+            *((("dtype", f"{self.dtype} ({self.dtype_reason})"),) if self.dtype_reason else ()),
             ("weights", format_bytes(self.weights_bytes)),
             ("kv cache dtype", self.kv_dtype),
             ("kv bytes per token", f"{format_bytes(self.kv_bytes_per_token)} (all layers)"),
