@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # model (compute) dtypes
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # llama-like layers with RMSNorm on q and k per head
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # "fp8" is an alias of fp8_e4m3
 KV_CACHE_SCALES = ("token", "head", "channel", "tensor")  # channel: K only, V falls back to token
@@ -49,6 +50,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
     hidden_act: str = "silu"
     sliding_windows: tuple[int | None, ...] = ()
     mla_latent_dim: int = 0  # MLA (DeepSeek-V2/V3): kv_lora_rank + qk_rope_head_dim cached per token per layer
@@ -95,6 +97,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type in QK_NORM_FAMILIES,
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_windows=windows,
             mla_latent_dim=int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"]) if cfg.get("kv_lora_rank") else 0,
