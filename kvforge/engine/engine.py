@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvforge.config import ModelConfig
+from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
 from kvforge.engine.dtype_choice import resolve_dtype
 from kvforge.engine.model_runner import ModelRunner
@@ -24,8 +24,8 @@ from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.request_check import RequestLimits, check_request
 from kvforge.engine.scheduler import Scheduler, SchedulerOutput
 from kvforge.engine.startup_report import StartupReport, build_startup_report
-from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
-from kvforge.kv.calibration import calibrate_static_scales
+from kvforge.engine.calibration import calibrate_static_scales
+from kvforge.kv.cache_factory import make_layer_caches
 from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
@@ -69,7 +69,7 @@ class LLMEngine:
             model = build_model(self.model_config)
             model.load_weights(checkpoint.weights)
             del checkpoint
-            self.model = model.to(dtype=TORCH_DTYPES[opts.dtype], device=self.device).eval()
+            self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
             p.next()
             pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
             p.next()
@@ -100,7 +100,7 @@ class LLMEngine:
         layer_groups = [group_of[i] for i in range(cfg.num_layers)]
         caches = make_layer_caches(
             cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
-            cache_cfg.block_size, self.device, TORCH_DTYPES[opts.dtype],
+            cache_cfg.block_size, self.device, torch_dtype(opts.dtype),
         )
         self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
                                   opts.attention_backend)

@@ -1,6 +1,6 @@
 """Read a llama.cpp GGUF file into HF-named float32 weights and an HF-style config.
 
-The tokenizer stored beside them is rebuilt by `gguf_tokenizer`.
+The tokenizer stored beside them is rebuilt by `kvforge.gguf_tokenizer`.
 
 GGUF stores what `convert_hf_to_gguf.py` wrote: llama.cpp tensor names
 (`blk.0.attn_q.weight`), quantized blocks, and a few per-architecture
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvforge.models.gguf_meta import field
+from kvforge.gguf_tokenizer import field
 
 logger = logging.getLogger(__name__)
 
