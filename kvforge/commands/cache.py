@@ -97,7 +97,7 @@ def _gguf_tokenizer(path: str):  # type: ignore[no-untyped-def]
             pass
     from gguf import GGUFReader
 
-    from kvforge.models.gguf_tokenizer import build_gguf_tokenizer
+    from kvforge.gguf_tokenizer import build_gguf_tokenizer
 
     try:
         reader = GGUFReader(path)
