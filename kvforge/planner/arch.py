@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.hf_config import (  # noqa: F401  (the planner's modules read these through `arch`)
-    GQA_FAMILIES,
-    MLA_FAMILIES,
-    head_dim,
-    is_mla,
-    kv_shape_from_hf,
-    layer_windows,
-    num_kv_heads,
-    required_int as _req,
-    text_config,
-)
+from kvforge.hf_config import GQA_FAMILIES as GQA_FAMILIES  # re-exported: the planner reads them via `arch`
+from kvforge.hf_config import MLA_FAMILIES as MLA_FAMILIES
+from kvforge.hf_config import head_dim as head_dim
+from kvforge.hf_config import is_mla as is_mla
+from kvforge.hf_config import kv_shape_from_hf as kv_shape_from_hf
+from kvforge.hf_config import layer_windows as layer_windows
+from kvforge.hf_config import num_kv_heads as num_kv_heads
+from kvforge.hf_config import required_int as _req
+from kvforge.hf_config import text_config as text_config
 
 
 def attention_kind(cfg: dict[str, Any]) -> str:
