@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvforge import hf_config
 from kvforge.flags import option
-from kvforge.ledger import KVCacheFormat, KVShape, parse_bytes
+from kvforge.ledger import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, KVCacheFormat, KVShape, parse_bytes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +133,7 @@ class ModelConfig:
 class CacheConfig:
     """How the KV cache is laid out and sized. Fields double as CLI flags (`kvforge.flags.option`)."""
 
-    block_size: int = option(16, "tokens per KV block")
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block")
     kv_cache_memory: int | str | None = option(
         None, "KV cache size in bytes or like 2GiB (default 1GiB unless --num-kv-blocks is given)")
     num_kv_blocks: int | None = option(None, "exact number of KV blocks instead of a memory size")
@@ -180,8 +182,9 @@ class CacheConfig:
 class SchedulerConfig:
     """What runs in one step. Fields double as CLI flags (`kvforge.flags.option`)."""
 
-    max_num_seqs: int = option(64, "sequences running at once")
-    max_num_batched_tokens: int = option(1024, "token budget per step (prefill chunks + decodes)")
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "sequences running at once")
+    max_num_batched_tokens: int = option(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, "token budget per step (prefill chunks + decodes)")
     # None until the engine resolves it to the model's max_position_embeddings
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
 

@@ -177,3 +177,35 @@ def test_eval_help_row_count_matches_the_default_formats():
 
     assert len(measured_variants([Variant.parse(s) for s in DEFAULT_VARIANTS])) == DEFAULT_ROWS
     assert f"measures {DEFAULT_ROWS} rows" in " ".join(kvforge.commands.eval.__doc__.split())
+
+
+def test_engine_defaults_live_in_one_place():
+    """Flags, LLM keywords, the planner and `cache explain` read the same default: change it once, all follow."""
+    from kvforge import ledger
+    from kvforge.engine.args import EngineConfig
+    from kvforge.planner.capacity import PlanOptions
+
+    parser = build_parser()
+    gen = parser.parse_args(["generate", "x"])
+    cfg = EngineConfig()
+    assert gen.block_size == cfg.cache_config.block_size == ledger.DEFAULT_BLOCK_SIZE == PlanOptions().block_size
+    assert parser.parse_args(["cache", "explain", "a", "b"]).block_size == ledger.DEFAULT_BLOCK_SIZE
+    assert gen.max_num_seqs == cfg.scheduler_config.max_num_seqs == ledger.DEFAULT_MAX_NUM_SEQS
+    assert gen.max_num_batched_tokens == cfg.scheduler_config.max_num_batched_tokens
+    assert cfg.cache_config.kv_cache_memory == 1 << 30  # parsed once, in CacheConfig
+    assert EngineConfig.create(kv_cache_memory="2GiB").cache_config.kv_cache_memory == 2 << 30
+    assert EngineConfig.create(num_kv_blocks=8).cache_config.kv_cache_memory is None  # blocks, not bytes
+
+
+def test_engine_config_routes_flat_options_and_rejects_unknown_ones():
+    from kvforge.engine.args import EngineArgs, EngineConfig
+
+    cfg = EngineArgs(model="m", dtype="bfloat16", block_size=32, max_num_seqs=4, seed=3)
+    assert (cfg.model_config.model, cfg.model_config.dtype, cfg.model_config.seed) == ("m", "bfloat16", 3)
+    assert (cfg.cache_config.block_size, cfg.scheduler_config.max_num_seqs) == (32, 4)
+    assert cfg.replace(kv_cache_dtype="int8").cache_config.kv_cache_dtype == "int8"
+    assert cfg.to_dict()["block_size"] == 32 and EngineConfig.create(**cfg.to_dict()) == cfg
+    with pytest.raises(TypeError, match="unknown engine option 'blok_size'"):
+        EngineArgs(blok_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineArgs(tensor_parallel_size=2)
