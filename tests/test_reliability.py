@@ -409,3 +409,29 @@ def test_n4_through_the_server_shares_the_prompt_blocks(server, http):
     assert [c["index"] for c in choices] == [0, 1, 2, 3] and len({c["text"] for c in choices}) > 1
     assert r.json()["usage"]["completion_tokens"] == 120 and r.json()["usage"]["prompt_tokens"] == 40
     wait_idle_and_check_blocks(server)
+
+
+# ---- issue 14 item 7: /metrics by prometheus-client, every vllm: alias kept ----------------------------------------
+VLLM_ALIASES = {  # every alias the hand-written exposition had, with its type
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:num_preemptions": "counter", "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+}
+
+
+def test_metrics_parse_with_prometheus_client_and_keep_every_vllm_alias(http):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _healthy(http)
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name, kind in VLLM_ALIASES.items():
+        assert name in families and families[name].type == kind, name
+        assert all(s.labels.get("model_name") == MODEL_NAME for s in families[name].samples), name
+    kv = {n[len("kvforge_"):] for n in families if n.startswith("kvforge_")}
+    assert {"requests_rejected", "requests_waiting", "max_waiting_requests", "draining"} <= kv
+    success = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
+    assert success == {"stop", "length"}  # vLLM counts only successful requests there
+    assert not any(s.name.endswith("_created") for f in families.values() for s in f.samples)
