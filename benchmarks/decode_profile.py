@@ -93,12 +93,13 @@ def read_bandwidth_gbs(mib: int = 1024, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def profile(dtype: str, tokens: int, bandwidth: float) -> str:
+def profile(dtype: str, tokens: int, bandwidth: float, model: str | None = None) -> str:
     from kvforge import LLM, SamplingParams
 
-    llm = LLM(model=None, dtype=dtype, max_model_len=1024, kv_cache_memory="256MiB", log_ledger=False)
+    llm = LLM(model=model, dtype=dtype, max_model_len=1024, kv_cache_memory="256MiB", log_ledger=False)
     weights = llm.engine.report.weights_bytes
-    prompt = [100 + (i * 7919) % 40000 for i in range(128)]
+    vocab = llm.engine.model_config.vocab_size
+    prompt = [(i * 7919) % vocab for i in range(128)]
     decode_steps(llm, prompt[:16], 4)  # warm-up
     plain_s, plain_n = decode_steps(llm, prompt, tokens)
     with instrumented(llm):
@@ -145,13 +146,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    ap.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer summed to measure read bandwidth")
     ap.add_argument("--save", default="benchmarks/results/decode_profile.txt")
     args = ap.parse_args()
-    bw = read_bandwidth_gbs()
+    bw = read_bandwidth_gbs(args.bandwidth_mib)
     text = f"threads {torch.get_num_threads()}, read bandwidth {bw:.1f} GB/s\n"
     print(text, end="")
     for dtype in args.dtype:
-        part = profile(dtype, args.tokens, bw)
+        part = profile(dtype, args.tokens, bw, args.model)
         print(part, end="", flush=True)
         text += part
     if args.save:
