@@ -1,7 +1,7 @@
 """Building and loading kvforge's small C libraries (decode attention, fused elementwise ops).
 
 Why C through ctypes and not torch extensions: the sources need no torch
-headers, so the system C compiler builds each in seconds (10-20 s for the
+headers, so the system C compiler builds each in seconds (5-16 s for the
 attention kernels on a small CPU, announced on stderr) instead of the minute a
 `torch.utils.cpp_extension` build takes. They link the same
 `libgomp.so.1` that torch already loaded (same soname), so they share torch's
@@ -101,7 +101,7 @@ class NativeLibrary:
         try:
             path = cache_path(self.source, compiler, flags)
             if not path.exists():
-                # 10-20 s for paged_decode.c on a small CPU: say so, once; later runs load the cached object
+                # 5-16 s for paged_decode.c on a small CPU: say so, once; later runs load the cached object
                 print(f"kvforge: compiling CPU kernels ({self.what}), once for this CPU... (cache: {path})",
                       file=sys.stderr, flush=True)
                 start = time.perf_counter()
