@@ -435,3 +435,39 @@ def test_metrics_parse_with_prometheus_client_and_keep_every_vllm_alias(http):
     success = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
     assert success == {"stop", "length"}  # vLLM counts only successful requests there
     assert not any(s.name.endswith("_created") for f in families.values() for s in f.samples)
+
+
+# ---- finding 1, last part: an engine that cannot continue ends the process with a non-zero exit code ----------------
+def test_kvforge_serve_exits_1_when_the_engine_cannot_continue(model_dir, monkeypatch, capsys):
+    import threading
+
+    from test_chaos import _free_port
+
+    real_step = LLMEngine.step
+
+    def broken_step(self):  # type: ignore[no-untyped-def]
+        if self.counters.num_steps >= 1:
+            raise RuntimeError("simulated device loss")
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", broken_step)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    replies: list[int] = []
+
+    def client() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                replies.append(httpx.post(url + "/v1/completions", json={**OK, "max_tokens": 5}, timeout=30).status_code)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    code = main(["serve", "--model", model_dir, "--port", str(port), "--served-model-name", MODEL_NAME,
+                 "--num-kv-blocks", "32", "--max-model-len", "128", "--log-level", "error"])
+    t.join(30)
+    assert code == 1 and replies == [503]
+    assert "cannot continue" in capsys.readouterr().err
