@@ -35,10 +35,11 @@ BUDGET = dict(max_num_seqs=64, max_num_batched_tokens=1024)  # both engines: sam
 KV_MEMORY_GIB = 2
 
 
-def requests(workload: str, seed: int, scale: float) -> list[tuple[list[int], int]]:
-    """(prompt ids, output tokens) per request; deterministic in (workload, seed, scale)."""
+def requests(workload: str, seed: int, scale: float, vocab: int = VOCAB) -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens) per request; deterministic in (workload, seed, scale, vocab)."""
     rng = random.Random(seed)
-    tok = lambda n: [rng.randrange(100, VOCAB - 100) for _ in range(max(1, int(n)))]  # noqa: E731
+    low = min(100, vocab // 4)
+    tok = lambda n: [rng.randrange(low, vocab - low) for _ in range(max(1, int(n)))]  # noqa: E731
     n = lambda k: max(1, round(k * scale))  # noqa: E731
     if workload == "single":
         return [(tok(128), 128)]
@@ -85,14 +86,14 @@ class Meter:
         return {"wall_s": wall, "out_tok_s": self.tokens / wall, "ttft_ms": ttft * 1e3, "decode_tok_s": dec}
 
 
-def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool) -> dict:
+def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool, model: str | None = None) -> dict:
     from kvforge import LLM, SamplingParams
 
-    llm = LLM(model=None, dtype=dtype, kv_cache_dtype="int8" if kv == "8bit" else "auto",
+    llm = LLM(model=model, dtype=dtype, kv_cache_dtype="int8" if kv == "8bit" else "auto",
               kv_cache_memory=f"{KV_MEMORY_GIB}GiB", max_model_len=4096, log_ledger=False, **BUDGET)
     engine = llm.engine
     if warm:
-        llm.generate(prompt_token_ids=[[101] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
+        llm.generate(prompt_token_ids=[[work[0][0][0]] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
         llm.reset_prefix_cache()
     ids = {}
@@ -163,9 +164,9 @@ def run_openvino(model_dir: str, dtype: str, kv: str, work: list[tuple[list[int]
 
 def child(args: argparse.Namespace) -> None:
     engine, dtype, kv, workload = args.one
-    work = requests(workload, args.seed, args.scale)
+    work = requests(workload, args.seed, args.scale, args.vocab)
     if engine == "kvforge":
-        res = run_kvforge(dtype, kv, work, warm=True)
+        res = run_kvforge(dtype, kv, work, warm=True, model=args.model)
     else:
         res = run_openvino(args.openvino_model, dtype, kv, work, warm=True)
     print(json.dumps({"engine": engine, "dtype": dtype, "kv": kv, "workload": workload, **res}))
@@ -192,6 +193,8 @@ def main() -> None:
     ap.add_argument("--openvino-model", default=None, help="folder exported by optimum-cli export openvino")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (quick runs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="kvforge's model (default: SmolLM2-135M-Instruct; smoke tests)")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="prompt ids are drawn below this")
     ap.add_argument("--save", default="benchmarks/results/peers.json")
     ap.add_argument("--one", nargs=4, metavar=("ENGINE", "DTYPE", "KV", "WORKLOAD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -211,7 +214,9 @@ def main() -> None:
                 for engine in engines:
                     python = args.openvino_python if engine == "openvino" else sys.executable
                     cmd = [python, os.path.abspath(__file__), "--one", engine, dtype, kv, workload, "--seed",
-                           str(args.seed), "--scale", str(args.scale)]
+                           str(args.seed), "--scale", str(args.scale), "--vocab", str(args.vocab)]
+                    if args.model:
+                        cmd += ["--model", args.model]
                     if engine == "openvino":
                         cmd += ["--openvino-model", args.openvino_model]
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
