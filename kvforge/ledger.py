@@ -400,10 +400,7 @@ class KVFormatSpec:
 
 def kv_format_error(field: str, value: object, problem: str) -> ValueError:
     """The one error for a bad KV format, naming the field or flag it came from."""
-    names = ", ".join(KV_FORMAT_DTYPES)
-    aliases = ", ".join(f"{a}={c}" for a, c in KV_DTYPE_ALIASES.items())
-    return ValueError(f"{field} {value!r}: {problem}; expected KDTYPE[/VDTYPE][@SCALES] with dtypes "
-                      f"{names} (aliases {aliases}) and scales {', '.join(KV_SCALE_GRANULARITIES)}")
+    return ValueError(f"{field} {value!r}: {problem}")
 
 
 def canonical_kv_dtype(name: str, field: str = "kv_cache_dtype") -> str:
@@ -411,7 +408,9 @@ def canonical_kv_dtype(name: str, field: str = "kv_cache_dtype") -> str:
     key = str(name).strip().lower()
     key = KV_DTYPE_ALIASES.get(key, key)
     if key not in KV_FORMAT_DTYPES:
-        raise kv_format_error(field, name, f"dtype {str(name).strip()!r} is not supported")
+        aliases = ", ".join(f"{a}={c}" for a, c in KV_DTYPE_ALIASES.items())
+        raise kv_format_error(field, name, f"dtype {str(name).strip()!r} is not supported; choose one of "
+                                           f"{', '.join(KV_FORMAT_DTYPES)} (aliases {aliases})")
     return key
 
 
@@ -422,6 +421,6 @@ def parse_kv_format(spec: str, field: str = "kv_cache_dtype") -> KVFormatSpec:
         raise kv_format_error(field, spec, f"scale must be one of {', '.join(KV_SCALE_GRANULARITIES)}")
     names = body.split("/")
     if len(names) > 2 or not all(n.strip() for n in names):
-        raise kv_format_error(field, spec, "expected one dtype or K and V dtypes apart, e.g. fp8 or fp8/fp16")
+        raise kv_format_error(field, spec, "expected KDTYPE[/VDTYPE][@SCALES], e.g. fp8, fp8/fp16 or int4@channel")
     k, v = (canonical_kv_dtype(n, field) for n in (names * 2)[:2])
     return KVFormatSpec(k, v, scales or None)
