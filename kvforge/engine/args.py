@@ -8,6 +8,7 @@ from kvforge.config import KV_CACHE_DTYPES, KV_CACHE_SCALES, SUPPORTED_DTYPES, C
 from kvforge.ledger import parse_bytes
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
+DEFAULT_KV_DISK_SIZE = 10 << 30  # disk tier bound when kv_disk_cache is given without kv_disk_size
 
 
 @dataclass(slots=True)
@@ -29,6 +30,10 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "cpu" (in-place C decode), "auto"
     log_ledger: bool = True
+    kv_offload_memory: int | str | None = None  # host tier for evicted prefix blocks, e.g. "8GiB" (kvforge.kv.tiers)
+    kv_disk_cache: str | None = None  # disk tier directory: prefix blocks survive eviction and restarts
+    kv_disk_size: int | str | None = None  # disk tier bound (default 10GiB), LRU by access time
+    preemption_mode: str = "auto"  # auto (swap to the host tier when the ledger says it is cheaper), swap, recompute
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -48,7 +53,34 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        self._check_tiers()
         self.cache_config()  # validates block_size, num_kv_blocks, kv_cache_dtype, k/v_cache_dtype, kv_cache_scale
+
+    def _check_tiers(self) -> None:
+        from kvforge.kv.tiers.cost import PREEMPTION_MODES
+        from kvforge.kv.tiers.disk import check_directory
+
+        if self.kv_offload_memory is not None:
+            self.kv_offload_memory = parse_bytes(self.kv_offload_memory, "kv_offload_memory (--kv-offload-memory)")
+        if self.kv_disk_size is not None:
+            self.kv_disk_size = parse_bytes(self.kv_disk_size, "kv_disk_size (--kv-disk-size)")
+            if self.kv_disk_cache is None:
+                raise ValueError("kv_disk_size (--kv-disk-size) needs kv_disk_cache (--kv-disk-cache DIR)")
+        if self.kv_disk_cache is not None:
+            if not isinstance(self.kv_disk_cache, str) or not self.kv_disk_cache:
+                raise ValueError(f"kv_disk_cache (--kv-disk-cache) must be a directory path, got {self.kv_disk_cache!r}")
+            self.kv_disk_cache = check_directory(self.kv_disk_cache, "kv_disk_cache (--kv-disk-cache)")
+            if self.kv_disk_size is None:
+                self.kv_disk_size = DEFAULT_KV_DISK_SIZE
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode (--preemption-mode) must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if self.tiers_enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory / kv_disk_cache serve prefix blocks and need prefix caching on")
+
+    @property
+    def tiers_enabled(self) -> bool:
+        return bool(self.kv_offload_memory) or self.kv_disk_cache is not None
 
     def cache_config(self) -> CacheConfig:
         memory = self.kv_cache_memory
@@ -86,6 +118,14 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "sdpa", "torch"),
                    help="auto (default) = cpu on CPU when a C compiler is present, else sdpa; cpu = in-place C decode "
                         "kernel + SDPA prefill; sdpa = PyTorch fused kernels; torch = reference implementation")
+    t = parser.add_argument_group("kv tiers")
+    t.add_argument("--kv-offload-memory", default=None,
+                   help="host-memory tier for evicted prefix blocks, e.g. 8GiB (pinned on CUDA)")
+    t.add_argument("--kv-disk-cache", default=None, metavar="DIR",
+                   help="disk tier directory: evicted prefix blocks survive restarts (shareable between processes)")
+    t.add_argument("--kv-disk-size", default=None, help="disk tier bound, e.g. 50GiB (default 10GiB), LRU by access")
+    t.add_argument("--preemption-mode", default="auto", choices=("auto", "swap", "recompute"),
+                   help="auto = swap to the host tier when the measured ledger says it beats recomputing")
 
 
 def engine_args_from_cli(args: argparse.Namespace, **overrides: object) -> EngineArgs:

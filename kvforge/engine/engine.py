@@ -52,6 +52,11 @@ class LLMEngine:
         model.load_weights(checkpoint.weights)
         del checkpoint
         self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
+        self.model_fingerprint: str | None = None  # computed when a KV tier needs it (before packing)
+        if args.tiers_enabled:
+            from kvforge.kv.tiers.setup import model_fingerprint
+
+            self.model_fingerprint = model_fingerprint(self.model)
         pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
         self._init_cache_and_scheduler()
 
@@ -90,6 +95,50 @@ class LLMEngine:
         if args.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
+        self.tiers = None
+        if args.tiers_enabled:
+            self._init_tiers(caches, groups, cache_cfg.block_size)
+
+    def _init_tiers(self, caches: list, groups: list, block_size: int) -> None:
+        """Host/disk tiers below the block pool (kvforge.kv.tiers), after calibration fixed any static scales."""
+        from kvforge.kv.tiers.cost import SwapCost
+        from kvforge.kv.tiers.setup import build_tiers, ledger_rows, measure_prefill_rate
+
+        if len(groups) > 1:
+            raise ValueError("kv_offload_memory / kv_disk_cache do not support hybrid local/global KV caches yet")
+        if self.model_fingerprint is None:  # reconfigured with tiers on: the weights are packed, hash what is there
+            from kvforge.kv.tiers.setup import model_fingerprint
+
+            self.model_fingerprint = model_fingerprint(self.model)
+        tiers, mover = build_tiers(caches, self.model_fingerprint, self.cache_format, block_size,
+                                   self.pool.num_blocks, self.args, self.device)
+        n = min(256, (self.pool.num_blocks - 1) * block_size, self.scheduler_config.max_model_len - 1)
+        rate = measure_prefill_rate(self.prompt_logits, max(n, 1), self.model_config.vocab_size)
+        self.kv.reset_prefix_cache()  # the measuring prompt is no prefix anyone will reuse
+        tiers.swap_cost = SwapCost(tiers.copy_bytes_per_s, rate, mover.block_nbytes, block_size)
+        self.kv.attach_tiers(tiers)
+        self.runner.attach_tiers(tiers, mover)
+        self.tiers = tiers
+        self.report.tiers = ledger_rows(tiers, mover.block_nbytes, block_size)
+        if self.args.log_ledger:
+            print("\n".join(f"  {k:<18}  {v}" for k, v in self.report.tiers), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Write the device's cached prefix blocks to the KV tiers and wait for the disk.
+
+        A restarted engine on the same kv_disk_cache then serves every prefix this one had cached,
+        not only the ones the pool happened to evict. A no-op without tiers.
+        """
+        if self.tiers is None:
+            return
+        pool = self.kv.pool
+        self.tiers.flush(self.runner.mover, [(b.block_id, b.block_hash, b.token_ids) for b in pool.blocks
+                                             if b.block_hash is not None and b.token_ids is not None])
+        self.tiers.close()
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Per-tier counters (hits/queries in tokens, bytes, load time, evictions); empty without tiers."""
+        return self.tiers.snapshot() if self.tiers is not None else {}
 
     def reconfigure_kv_cache(self, **changes: object) -> None:
         """Rebuild pool, manager, scheduler and runner with changed EngineArgs (e.g. kv_cache_dtype), keeping the

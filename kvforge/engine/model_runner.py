@@ -7,6 +7,8 @@ chunks that reach the end of their known tokens.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
@@ -31,6 +33,16 @@ class ModelRunner:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(seed)
+        self.tiers: Any = None  # KV tiers (kvforge.kv.tiers): loads and evictions queued by the KV manager
+        self.mover: Any = None
+
+    def attach_tiers(self, tiers: Any, mover: Any) -> None:
+        self.tiers, self.mover = tiers, mover
+
+    def _sync_tiers(self) -> None:
+        """Before any write into the caches: evicted blocks out to the tiers, then tier hits in."""
+        if self.tiers is not None:
+            self.tiers.sync(self.mover)
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -97,6 +109,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+        self._sync_tiers()
         if out.block_copies:  # each group's copies go to that group's layers only
             by_group = self.kv.copies_by_group(out.block_copies)
             for layer, cache in enumerate(self.caches):
@@ -143,6 +156,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, req: Request) -> torch.Tensor:
         """Logits [T, V] for every token of `req`, whose blocks are already allocated (scoring/perplexity)."""
+        self._sync_tiers()
         chunk = ScheduledChunk(req, 0, req.num_tokens)
         input_ids, positions, meta, _ = self.prepare([chunk])
         hidden = self.model(input_ids, positions, self.caches, meta)

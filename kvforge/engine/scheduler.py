@@ -57,6 +57,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions that swapped blocks out to the host tier
         # A lone request can always grow to this length, so it never preempts itself forever.
         limit = kv.max_request_tokens(config.max_num_batched_tokens)  # None: windowed, O(window) blocks
         self.max_seq_len = config.max_model_len if limit is None else min(config.max_model_len, limit)
@@ -130,6 +131,7 @@ class Scheduler:
                 cid, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids, parent.cache_salt,
                 parent.arrival_time, RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens,
                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+                cached_tokens_by_tier=dict(parent.cached_tokens_by_tier),
                 first_scheduled_time=parent.first_scheduled_time, parent_id=parent.request_id, sample_index=i,
             )
             self.kv.fork(parent, child)
@@ -162,6 +164,11 @@ class Scheduler:
             budget -= n
 
     def _preempt(self, req: Request) -> None:
+        """Free `req`'s blocks and queue it again; with a host tier its full blocks may be swapped out first
+        (when moving them beats recomputing them), so re-admission loads them back instead."""
+        if self.kv.should_swap(req):
+            self.kv.swap_out(req)
+            self.num_swaps += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

@@ -7,7 +7,7 @@ chain's tail is evicted before its head. Pure Python.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvforge.kv.hashing import BlockHash
 
@@ -37,6 +37,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # Called with (block_id, hash, token ids) when a cached block is evicted: the KV tiers keep its bytes.
+        self.on_evict: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,6 +69,8 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self.num_evictions += 1
+                if self.on_evict is not None and block.token_ids is not None:
+                    self.on_evict(block.block_id, block.block_hash, block.token_ids)
             block.block_hash = None
             block.token_ids = None
 

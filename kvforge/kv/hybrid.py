@@ -132,6 +132,10 @@ class HybridKVCacheManager:
         assert m.sliding_window is not None
         return max(0, num_blocks * self.block_size - m.sliding_window) // self.block_size
 
+    def should_swap(self, req: Request) -> bool:
+        """KV tiers do not serve hybrid (several KV cache group) models: preemption recomputes."""
+        return False
+
     def record_lookup(self, req: Request, num_cached: int) -> None:
         if self.enable_caching:
             self.stats.record(req.num_tokens, num_cached, recompute=req.num_preemptions > 0)

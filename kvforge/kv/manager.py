@@ -8,10 +8,18 @@ index. Pure Python.
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING, Union
 
 from kvforge.engine.request import Request
 from kvforge.kv.blocks import BlockPool, KVBlock
 from kvforge.kv.hashing import BlockHash, extend_block_hashes
+from kvforge.kv.tiers.tiers import TierHit
+
+if TYPE_CHECKING:
+    from kvforge.kv.tiers.tiers import KVTiers
+
+# A prefix hit: a block in the device pool, or a block a KV tier holds (loaded into a fresh block on admission).
+Hit = Union[KVBlock, TierHit]
 
 
 class PrefixCacheStats:
@@ -72,6 +80,14 @@ class KVCacheManager:
         self.num_published: dict[str, int] = {}
         self.stats = PrefixCacheStats()
         self.num_cow_copies = 0  # blocks copied because a forked sample wrote into a shared partial block
+        self.tiers: KVTiers | None = None  # host/disk tiers below the device pool (kvforge.kv.tiers)
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Evicted cached blocks go to `tiers`; lookups that miss the device continue there."""
+        if self.sliding_window is not None:
+            raise ValueError("kv_offload_memory / kv_disk_cache do not support sliding-window KV caches yet")
+        self.tiers = tiers
+        self.pool.on_evict = tiers.on_evict
 
     @property
     def enable_caching(self) -> bool:
@@ -108,19 +124,32 @@ class KVCacheManager:
         extra = (req.cache_salt,) if req.cache_salt else ()
         return extend_block_hashes(hashes, req.all_token_ids, self.block_size, extra)
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, req: Request) -> tuple[list[Hit], int]:
         """Longest run of cached full blocks at the head of `req`; the last token is always recomputed.
 
+        A block the device pool misses is looked up in the KV tiers (when attached); a tier hit
+        becomes a fresh device block loaded before the forward pass (`commit_slots`).
         Read-only: a request that then fails to get blocks is looked up again next step, so the
         scheduler records the lookup (`record_lookup`) only once the request is admitted.
         """
         if not self.enable_caching:
             return [], 0
-        hits: list[KVBlock] = []
-        for block in self.cached_blocks(req, (req.num_tokens - 1) // self.block_size, stop_at_miss=True):
-            assert block is not None
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        num_blocks = (req.num_tokens - 1) // self.block_size
+        if self.tiers is None:
+            hits: list[Hit] = []
+            for block in self.cached_blocks(req, num_blocks, stop_at_miss=True):
+                assert block is not None
+                hits.append(block)
+            return hits, len(hits) * self.block_size
+        self.tiers.forget_lookup(req.request_id)
+        bs, hits = self.block_size, []
+        for i, h in enumerate(self._block_hashes(req)[:num_blocks]):
+            tokens = req.all_token_ids[i * bs : (i + 1) * bs]
+            hit: Hit | None = self.pool.get_cached_block(h, tokens) or self.tiers.lookup(req.request_id, h, tokens)
+            if hit is None:
+                break
+            hits.append(hit)
+        return hits, len(hits) * bs
 
     def cached_blocks(self, req: Request, num_blocks: int, stop_at_miss: bool = False) -> list[KVBlock | None]:
         """This pool's cached block (or None) for each of `req`'s first `num_blocks` full blocks."""
@@ -136,6 +165,8 @@ class KVCacheManager:
         """Count an admitted request's lookup; called once per admission, never for a failed attempt."""
         if self.enable_caching:
             self.stats.record(req.num_tokens, num_cached, recompute=req.num_preemptions > 0)
+        if self.tiers is not None:
+            self.tiers.record_lookup(req.request_id)
 
     def blocks_needed(self, req: Request, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         held = len(self.tables.get(req.request_id, ())) + num_computed_blocks
@@ -143,7 +174,7 @@ class KVCacheManager:
         return max(0, -(-total // self.block_size) - held)
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+        self, req: Request, num_new_tokens: int, computed_blocks: list[Hit] | None = None
     ) -> list[tuple[int, int]] | None:
         """Give `req` room for `num_new_tokens` more tokens, or None (nothing changed) if blocks run out.
 
@@ -155,22 +186,25 @@ class KVCacheManager:
             return None
         return self.commit_slots(req, num_new_tokens, computed_blocks)
 
-    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock]) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: list[Hit]) -> bool:
         """Whether `commit_slots` would find enough free blocks; changes nothing."""
         table = self.tables.get(req.request_id, [])
         num_new_blocks = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
         cow = self._needs_copy_on_write(req, table, num_new_tokens)
-        # Hit blocks sitting in the free queue stop being free once touched (window placeholders are not blocks).
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0 and b is not WINDOW_FREED)
+        # Hit blocks sitting in the free queue stop being free once touched (window placeholders are not blocks);
+        # a tier hit needs a fresh block to load into.
+        reclaimed = sum(1 for b in computed_blocks if isinstance(b, TierHit) or (b.ref_cnt == 0 and b is not WINDOW_FREED))
         return num_new_blocks + int(cow) <= self.pool.num_free_blocks - reclaimed
 
-    def commit_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock]) -> list[tuple[int, int]]:
+    def commit_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[Hit]) -> list[tuple[int, int]]:
         """Take the hit blocks and new blocks `can_allocate` just approved; returns the copy-on-write copies."""
         table = self.tables.setdefault(req.request_id, [])
         num_new_blocks = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
         cow = self._needs_copy_on_write(req, table, num_new_tokens)
-        self.pool.touch(b for b in computed_blocks if b is not WINDOW_FREED)
-        table.extend(computed_blocks)
+        self.pool.touch(b for b in computed_blocks if isinstance(b, KVBlock) and b is not WINDOW_FREED)
+        if req.num_computed_tokens == 0 and req.num_preemptions == 0 and not table:
+            req.cached_tokens_by_tier = self._count_by_tier(computed_blocks)
+        table.extend(self._load_tier_hits(computed_blocks))
         copies: list[tuple[int, int]] = []
         if cow:
             idx = req.num_computed_tokens // self.block_size
@@ -185,6 +219,38 @@ class KVCacheManager:
         self.num_published.setdefault(req.request_id, len(computed_blocks))
         self._publish_full_blocks(req, (num_computed + num_new_tokens) // self.block_size)
         return copies
+
+    def _load_tier_hits(self, hits: list[Hit]) -> list[KVBlock]:
+        """Device blocks for `hits`: a tier hit gets a fresh block, published, with its load queued."""
+        out = []
+        for hit in hits:
+            if isinstance(hit, TierHit):
+                assert self.tiers is not None
+                (block,) = self.pool.get_new_blocks(1)
+                self.tiers.acquire(hit, block.block_id)
+                self.pool.cache_block(block, hit.block_hash, hit.token_ids)
+                hit = block
+            out.append(hit)
+        return out
+
+    def _count_by_tier(self, hits: list[Hit]) -> dict[str, int]:
+        counts = {"device": 0, **{name: 0 for name in (self.tiers.names if self.tiers else ())}}
+        for hit in hits:
+            counts[hit.tier if isinstance(hit, TierHit) else "device"] += self.block_size
+        return counts
+
+    def should_swap(self, req: Request) -> bool:
+        """Swap `req`'s blocks to the host tier at preemption (the ledger's cheaper choice)?"""
+        return self.tiers is not None and self.tiers.should_swap(self.num_published.get(req.request_id, 0))
+
+    def swap_out(self, req: Request) -> None:
+        """Queue `req`'s full published blocks for the host tier; re-admission loads them back as tier hits."""
+        assert self.tiers is not None
+        table = self.tables.get(req.request_id, [])
+        self.tiers.swap_out(
+            (b.block_id, b.block_hash, b.token_ids) for b in table[: self.num_published.get(req.request_id, 0)]
+            if b.block_hash is not None and b.token_ids is not None
+        )
 
     def release_out_of_window(self, req: Request) -> None:
         """Free `req`'s blocks that no future query can see (windowed tables only; a no-op otherwise).
