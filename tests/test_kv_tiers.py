@@ -8,9 +8,6 @@ and after a restart on the same directory; bad flags exit 2 naming the flag.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -25,8 +22,8 @@ from kvforge.kv.tiers.host import HostTier
 from kvforge.kv.tiers.keys import tier_key
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-SHARED = [(7 * i + 3) % 250 for i in range(30)]
-PROMPTS = [SHARED + [(11 * i + 5 * j) % 250 for i in range(10)] for j in range(6)]
+SHARED = [(7 * i + 3) % 250 for i in range(18)]
+PROMPTS = [SHARED + [(11 * i + 5 * j) % 250 for i in range(6)] for j in range(4)]  # 6 blocks of 4, 4.5 shared
 
 
 def _fill_random(cache) -> None:
@@ -130,28 +127,28 @@ def test_disk_size_bound_evicts_least_recently_used(tmp_path):
 
 def _llm(path, **kw):
     kw.setdefault("block_size", 4)
-    kw.setdefault("num_kv_blocks", 20)
+    kw.setdefault("num_kv_blocks", 12)  # a request needs 8: the pool keeps little between requests
     return LLM(model=path, log_ledger=False, **kw)
 
 
 def _run_twice(llm, params=GREEDY, prompts=PROMPTS):
     first = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     second = llm.generate(prompt_token_ids=prompts[::-1], sampling_params=params)[::-1]
-    return [[c.token_ids for c in o.outputs] for o in first + second], second
+    return [[c.token_ids for c in o.outputs] for o in first + second], first + second
 
 
 @pytest.mark.parametrize(
-    "family,kw",
+    "family,kw,tiers",
     [
-        pytest.param("llama_gqa", {}, id="dense"),
-        pytest.param("llama_gqa", {"max_num_batched_tokens": 7}, id="chunked-prefill"),
-        pytest.param("llama_gqa", {"num_kv_blocks": 14, "max_num_seqs": 6}, id="preemption"),
-        pytest.param("llama_gqa", {"num_kv_blocks": 14, "preemption_mode": "swap"}, id="preemption-swap"),
-        pytest.param("llama_gqa", {"kv_cache_dtype": "int8"}, id="int8"),
-        pytest.param("deepseek_v2", {}, id="mla"),
+        pytest.param("llama_gqa", {}, "host+disk", id="dense"),
+        pytest.param("llama_gqa", {}, "disk", id="dense-disk-only"),
+        pytest.param("llama_gqa", {"max_num_batched_tokens": 7}, "host+disk", id="chunked-prefill"),
+        pytest.param("llama_gqa", {"num_kv_blocks": 10}, "host+disk", id="preemption"),
+        pytest.param("llama_gqa", {"num_kv_blocks": 10, "preemption_mode": "swap"}, "host", id="preemption-swap"),
+        pytest.param("llama_gqa", {"kv_cache_dtype": "int8"}, "host+disk", id="int8"),
+        pytest.param("deepseek_v2", {}, "disk", id="mla"),
     ],
 )
-@pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])
 def test_greedy_outputs_identical_with_tiers_on_and_off(tiny_model_factory, tmp_path, family, kw, tiers):
     path, _ = tiny_model_factory(family)
     want, _ = _run_twice(_llm(path, **kw))
@@ -161,14 +158,16 @@ def test_greedy_outputs_identical_with_tiers_on_and_off(tiny_model_factory, tmp_
     if "disk" in tiers:
         tier_kw["kv_disk_cache"] = str(tmp_path / "kv")
     llm = _llm(path, **kw, **tier_kw)
-    got, second = _run_twice(llm)
+    got, outs = _run_twice(llm)
     assert got == want
     stats = llm.tier_stats()
     assert sum(s["hit_tokens"] for s in stats.values()) > 0, "the small pool should send hits to the tiers"
-    assert sum(o.num_cached_tokens_by_tier.get(t, 0) for o in second for t in stats) > 0
-    for o in second:
+    assert sum(o.num_cached_tokens_by_tier.get(t, 0) for o in outs for t in stats) > 0
+    for o in outs:
         assert sum(o.num_cached_tokens_by_tier.values()) == o.num_cached_tokens
-    if kw.get("preemption_mode") == "swap" and "host" in tiers:
+    if kw.get("num_kv_blocks") == 10:
+        assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool should force preemption"
+    if kw.get("preemption_mode") == "swap":
         assert llm.engine.scheduler.num_swaps > 0 and stats["host"]["swapped_out_blocks"] > 0
     assert_no_leaks(llm.engine)
     llm.close()
@@ -177,8 +176,8 @@ def test_greedy_outputs_identical_with_tiers_on_and_off(tiny_model_factory, tmp_
 def test_n_greater_than_one_with_tiers(tiny_model_factory, tmp_path):
     path, _ = tiny_model_factory("llama_gqa")
     params = SamplingParams(n=3, temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
-    want, _ = _run_twice(_llm(path, num_kv_blocks=40), params, PROMPTS[:4])
-    llm = _llm(path, num_kv_blocks=40, kv_disk_cache=str(tmp_path))
+    want, _ = _run_twice(_llm(path, num_kv_blocks=24), params, PROMPTS[:4])
+    llm = _llm(path, num_kv_blocks=24, kv_disk_cache=str(tmp_path))
     got, _ = _run_twice(llm, params, PROMPTS[:4])
     assert got == want and llm.tier_stats()["disk"]["hit_tokens"] > 0
     assert_no_leaks(llm.engine)
@@ -194,7 +193,7 @@ def test_restart_serves_prefixes_from_disk_but_not_other_models_or_salts(tiny_mo
     restarted = _llm(path, num_kv_blocks=64, kv_disk_cache=disk)
     (b,) = restarted.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY, cache_salt="tenant-a")
     assert b.outputs[0].token_ids == a.outputs[0].token_ids
-    assert b.num_cached_tokens_by_tier == {"device": 0, "disk": 36}
+    assert b.num_cached_tokens_by_tier == {"device": 0, "disk": 20}
     (c,) = restarted.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY, cache_salt="tenant-b")
     assert c.num_cached_tokens == 0 and c.outputs[0].token_ids == a.outputs[0].token_ids
     foreign = _llm(other, num_kv_blocks=64, kv_disk_cache=disk)
@@ -234,11 +233,13 @@ def test_bad_tier_values_name_the_flag(tmp_path, kwargs, flag):
         EngineArgs(**kwargs)
 
 
-def test_cli_bad_tier_flags_exit_2(tiny_model_factory, tmp_path):
+def test_cli_bad_tier_flags_exit_2(tiny_model_factory, tmp_path, capsys):
+    from kvforge.cli import main
+
     path, _ = tiny_model_factory("llama_gqa")
     (tmp_path / "f").write_text("x")
     for flags, flag in ((["--kv-offload-memory", "-5"], "--kv-offload-memory"),
+                        (["--kv-disk-size", "5 GiBs", "--kv-disk-cache", str(tmp_path)], "--kv-disk-size"),
                         (["--kv-disk-cache", str(tmp_path / "f" / "sub")], "--kv-disk-cache")):
-        proc = subprocess.run([sys.executable, "-m", "kvforge.cli", "generate", "x", "--model", path, *flags],
-                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-        assert proc.returncode == 2 and flag in proc.stderr, proc.stderr
+        assert main(["generate", "x", "--model", path, *flags]) == 2
+        assert flag in capsys.readouterr().err

@@ -52,11 +52,9 @@ class LLMEngine:
         model.load_weights(checkpoint.weights)
         del checkpoint
         self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
-        self.model_fingerprint: str | None = None  # computed when a KV tier needs it (before packing)
-        if args.tiers_enabled:
-            from kvforge.kv.tiers.setup import model_fingerprint
+        from kvforge.kv.tiers.setup import model_fingerprint
 
-            self.model_fingerprint = model_fingerprint(self.model)
+        self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
         pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
         self._init_cache_and_scheduler()
 
@@ -106,10 +104,6 @@ class LLMEngine:
 
         if len(groups) > 1:
             raise ValueError("kv_offload_memory / kv_disk_cache do not support hybrid local/global KV caches yet")
-        if self.model_fingerprint is None:  # reconfigured with tiers on: the weights are packed, hash what is there
-            from kvforge.kv.tiers.setup import model_fingerprint
-
-            self.model_fingerprint = model_fingerprint(self.model)
         tiers, mover = build_tiers(caches, self.model_fingerprint, self.cache_format, block_size,
                                    self.pool.num_blocks, self.args, self.device)
         n = min(256, (self.pool.num_blocks - 1) * block_size, self.scheduler_config.max_model_len - 1)
