@@ -102,7 +102,7 @@ class ModelConfig:
         With one block table for every layer a block is dead only when no layer can see it:
         that needs every layer windowed (the widest window decides), as in
         `ledger.kv_cache_groups`. Hybrid local/global models (Gemma 2/3) get one table per
-        window group instead (`kvforge.kv.hybrid`), so None here.
+        window group instead (`kvforge.kv.coordinator`), so None here.
         """
         if not self.sliding_windows or any(w is None for w in self.sliding_windows):
             return None

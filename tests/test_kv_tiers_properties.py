@@ -23,13 +23,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvforge.engine.request import Request
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.kv.blocks import BlockPool
 from kvforge.kv.cache_tensors import DenseKVCache
-from kvforge.kv.manager import KVCacheManager
+from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.kv.tiers.block_io import BlockMover
 from kvforge.kv.tiers.disk import DiskTier
 from kvforge.kv.tiers.host import HostTier
 from kvforge.kv.tiers.tiers import KVTiers
+from kvforge.ledger import KVGroup
 
 BS, NUM_BLOCKS, DIM = 2, 8, 4
 HOST_SLOTS, DISK_BYTES = 5, 3000
@@ -57,12 +57,12 @@ class TieredCacheMachine(RuleBasedStateMachine):
 
     def _boot(self) -> None:
         """A fresh process: empty device pool and host tier, the same disk directory."""
-        self.cache = DenseKVCache(NUM_BLOCKS, BS, 1, DIM, DIM, torch.float32)
+        self.cache = DenseKVCache(NUM_BLOCKS + 1, BS, 1, DIM, DIM, torch.float32)  # + the null block
         self.mover = BlockMover([self.cache])
         host = HostTier(HOST_SLOTS * self.mover.block_nbytes, self.mover.block_nbytes)
         disk = DiskTier(self.dir, DISK_BYTES, NAMESPACE, background=False)
         self.tiers = KVTiers(NAMESPACE, BS, host, disk, preemption_mode="swap")
-        self.kv = KVCacheManager(BlockPool(NUM_BLOCKS), BS)
+        self.kv = KVCacheCoordinator([KVGroup(None, (0,), NUM_BLOCKS)], BS)
         self.kv.attach_tiers(self.tiers)
         self.live: dict[str, Request] = {}
         self.swapped: dict[str, Request] = {}
@@ -72,10 +72,10 @@ class TieredCacheMachine(RuleBasedStateMachine):
         copies = self.kv.allocate_slots(req, n, hits)
         if copies is None:
             return False
-        self.tiers.sync(self.mover)  # what the runner does before the forward pass
-        self.cache.copy_blocks(copies)
-        table = self.kv.block_table(req.request_id)
-        start = req.num_computed_tokens + (len(hits) * BS if hits else 0)
+        self.tiers.sync(self.mover, self.kv.take_block_loads())  # what the runner does before the forward pass
+        self.cache.copy_blocks(copies[0])
+        table = self.kv.block_ids(req.request_id)[0]
+        start = req.num_computed_tokens + (len(hits.blocks[0]) * BS if hits else 0)
         for p in range(start, start + n):
             c = code(req.cache_salt, tuple(req.all_token_ids[: p + 1]))
             self.cache.k[table[p // BS], p % BS, 0] = c
@@ -133,7 +133,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         """The process ends (flushing its cached blocks, or crashing) and a new one starts on the same directory."""
         self.tiers.sync(self.mover)
         if flush:
-            self.tiers.flush(self.mover, [(b.block_id, b.block_hash, b.token_ids) for b in self.kv.pool.blocks
+            self.tiers.flush(self.mover, [(b.block_id, b.block_hash, b.token_ids) for b in self.kv.pools[0].blocks
                                           if b.block_hash is not None and b.token_ids is not None])
         self.tiers.close()
         self._boot()
@@ -158,7 +158,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
     @invariant()
     def every_request_reads_its_own_prefix(self) -> None:
         for req in self.live.values():
-            table = self.kv.block_table(req.request_id)
+            table = self.kv.block_ids(req.request_id)[0]
             for p in range(req.num_computed_tokens):
                 c = code(req.cache_salt, tuple(req.all_token_ids[: p + 1]))
                 assert torch.equal(self.cache.k[table[p // BS], p % BS, 0], c), f"{req.request_id} position {p}"

@@ -24,7 +24,7 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
 from kvforge.kv.calibration import calibrate_static_scales
-from kvforge.kv.hybrid import make_kv_manager
+from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
@@ -66,23 +66,27 @@ class LLMEngine:
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
             cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
         )
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes holds no block of this model's KV cache")
         max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
-        # hybrid local/global models: one pool per window group in the memory of `num_blocks` shared blocks
+        # One pool per KV cache group (a plain model: one) in the memory of `num_blocks` single-table
+        # blocks, each pool's null block included.
         groups = split_kv_blocks(shape, self.cache_format, cache_cfg.block_size, num_blocks,
                                  args.max_num_seqs, args.max_num_batched_tokens)
-        self.kv = make_kv_manager(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        if min(g.num_blocks for g in groups) < 1:
+            what = (f"num_kv_blocks={num_blocks}" if cache_cfg.num_kv_blocks
+                    else f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes")
+            raise ValueError(f"{what} holds no usable block of this model's KV cache (each pool reserves a null block)")
+        self.kv = KVCacheCoordinator(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        layer_groups = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        layer_groups = [group_of[i] for i in range(cfg.num_layers)]
         caches = make_layer_caches(
-            cfg, self.cache_format, [groups[layer_groups[i]].num_blocks for i in range(cfg.num_layers)],
+            cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
             cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
         )
-        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend,
-                                  [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None)
+        self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, args.seed,
+                                  args.attention_backend)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
@@ -102,8 +106,6 @@ class LLMEngine:
         from kvforge.kv.tiers.cost import SwapCost
         from kvforge.kv.tiers.setup import build_tiers, ledger_rows, measure_prefill_rate
 
-        if len(groups) > 1:
-            raise ValueError("kv_offload_memory / kv_disk_cache do not support hybrid local/global KV caches yet")
         tiers, mover = build_tiers(caches, self.model_fingerprint, self.cache_format, block_size,
                                    self.pool.num_blocks, self.args, self.device)
         n = min(256, (self.pool.num_blocks - 1) * block_size, self.scheduler_config.max_model_len - 1)
@@ -125,7 +127,7 @@ class LLMEngine:
         """
         if self.tiers is None:
             return
-        pool = self.kv.pool
+        pool = self.kv.pools[0]
         self.tiers.flush(self.runner.mover, [(b.block_id, b.block_hash, b.token_ids) for b in pool.blocks
                                              if b.block_hash is not None and b.token_ids is not None])
         self.tiers.close()
@@ -236,7 +238,7 @@ class LLMEngine:
         if self.kv.allocate_slots(req, len(token_ids)) is None:
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
-            return self.runner.prompt_logits(req)
+            return self.runner.prompt_logits(req, self.kv.block_ids(req.request_id))
         finally:
             self.kv.free(req)
 

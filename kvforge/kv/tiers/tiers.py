@@ -1,11 +1,12 @@
-"""KVTiers: the host and disk tiers behind one object the KV manager and the model runner share.
+"""KVTiers: the host and disk tiers behind one object the KV coordinator and the model runner share.
 
-The KV manager (pure Python) talks to it in block terms: `on_evict` queues a
+The coordinator (pure Python) talks to it in block terms: `on_evict` queues a
 device block the pool just evicted, `lookup` continues a prefix lookup that
-missed the device, `acquire` turns a hit into a pending load into a fresh device
-block, `swap_out` queues a preempted request's blocks. The model runner calls
-`sync(mover)` before each forward pass: queued exports run first (an evicted
-block's bytes are read before its new owner overwrites them), then loads. Tiers
+missed the device, `acquire` turns a hit into a `KVLoad` into a fresh device
+block (it travels to the runner in `SchedulerOutput.block_loads`), `swap_out`
+queues a preempted request's blocks. The model runner calls `sync(mover, loads)`
+before each forward pass: queued exports run first (an evicted block's bytes are
+read before its new owner overwrites them), then the loads. Tiers
 are inclusive: an evicted block goes to every tier; hits are served by the
 fastest tier that has it. No torch here: bytes move through the `BlockMover`.
 """
@@ -16,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvforge.kv.interface import KVLoad
 from kvforge.kv.tiers.cost import SwapCost
 from kvforge.kv.tiers.keys import tier_key
 from kvforge.kv.tiers.stats import TierStats
@@ -46,7 +48,7 @@ class KVTiers:
         self.disk_bytes_per_s: float | None = None  # measured read + verify of a probe file
         self.stats = {t.name: TierStats(t.name) for t in self.tiers}
         self.pending_exports: list[tuple[int, bytes, tuple[int, ...], bool]] = []  # (block, hash, tokens, swap)
-        self.pending_loads: list[tuple[int, TierHit]] = []
+        self.acquired: dict[bytes, tuple[TierHit, int]] = {}  # tier key -> (hit, pending loads of it)
         self.traces: dict[str, dict[str, list[int]]] = {}  # request id -> tier -> [queried, hit] blocks
 
     @property
@@ -90,11 +92,16 @@ class KVTiers:
             self.stats[name].query_tokens += queried * self.block_size
             self.stats[name].hit_tokens += hit * self.block_size
 
-    def acquire(self, hit: TierHit, block_id: int) -> None:
-        """Load `hit` into device block `block_id` before the next forward pass."""
+    def acquire(self, hit: TierHit, block_id: int) -> KVLoad:
+        """The load of `hit` into device block `block_id` (run by `sync` before the next forward pass).
+
+        A host hit's slot is pinned until then, so no export can overwrite it first.
+        """
         if hit.tier == "host":
             self.host.index.pin(hit.key)
-        self.pending_loads.append((block_id, hit))
+        _, n = self.acquired.get(hit.key, (hit, 0))
+        self.acquired[hit.key] = (hit, n + 1)
+        return KVLoad(0, hit.key, block_id)
 
     def should_swap(self, num_blocks: int) -> bool:
         """Swap a preempted request's blocks to the host tier instead of dropping them to recompute?"""
@@ -109,12 +116,12 @@ class KVTiers:
             self.pending_exports.append((block_id, block_hash, tokens, True))
 
     # ---- runner side (moves bytes) -------------------------------------------------------------
-    def sync(self, mover: Any) -> None:
-        """Run queued exports, then queued loads (an evicted block is read before it is overwritten)."""
+    def sync(self, mover: Any, loads: Sequence[KVLoad] = ()) -> None:
+        """Run queued exports, then `loads` (an evicted block is read before its new owner overwrites it)."""
         if self.pending_exports:
             self._export(mover)
-        if self.pending_loads:
-            self._load(mover)
+        if loads:
+            self._load(mover, loads)
 
     def _export(self, mover: Any) -> None:
         jobs, seen = [], set()
@@ -140,11 +147,19 @@ class KVTiers:
                 self.disk.put(key, tokens, rows[i].numpy().tobytes())
                 self.stats["disk"].blocks_stored += 1
 
-    def _load(self, mover: Any) -> None:
+    def _release(self, key: bytes) -> TierHit:
+        hit, n = self.acquired[key]
+        if n > 1:
+            self.acquired[key] = (hit, n - 1)
+        else:
+            del self.acquired[key]
+        return hit
+
+    def _load(self, mover: Any, loads: Sequence[KVLoad]) -> None:
         start = time.perf_counter()
-        host = [(b, h) for b, h in self.pending_loads if h.tier == "host"]
-        disk = [(b, h) for b, h in self.pending_loads if h.tier == "disk"]
-        self.pending_loads.clear()
+        hits = [(load.dst, self._release(load.key)) for load in loads]
+        host = [(b, h) for b, h in hits if h.tier == "host"]
+        disk = [(b, h) for b, h in hits if h.tier == "disk"]
         if host:
             mover.import_([b for b, _ in host], self.host.read([h.slot for _, h in host]))
             for _, h in host:
