@@ -243,3 +243,13 @@ def test_cli_bad_tier_flags_exit_2(tiny_model_factory, tmp_path, capsys):
                         (["--kv-disk-cache", str(tmp_path / "f" / "sub")], "--kv-disk-cache")):
         assert main(["generate", "x", "--model", path, *flags]) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_prometheus_exports_per_tier_counters():
+    from kvforge.server.metrics import ServerMetrics
+
+    text = ServerMetrics().render({"tiers": {"host": {"hit_tokens": 32, "bytes_read": 4096},
+                                             "disk": {"hit_tokens": 16, "evictions": 2}}}, "m")
+    assert 'kvforge_kv_tier_hits_tokens_total{model_name="m",tier="host"} 32' in text
+    assert 'kvforge_kv_tier_evictions_total{model_name="m",tier="disk"} 2' in text
+    assert "kvforge_kv_tier" not in ServerMetrics().render({}, "m")

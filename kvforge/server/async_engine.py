@@ -68,6 +68,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+            self.engine.close()  # KV tiers: cached prefix blocks to disk, so a restart serves them
 
     @property
     def alive(self) -> bool:
@@ -227,4 +228,5 @@ class AsyncEngine:
             "generation_tokens": e.counters.num_generation_tokens,
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
+            "tiers": e.tier_stats(),  # KV tiers (host, disk): per-tier counters, empty without tiers
         }

@@ -63,6 +63,16 @@ HISTOGRAMS = [
     ("kvforge_request_queue_time_seconds", "vllm:request_queue_time_seconds", "Time from arrival to first being scheduled.", "queue_time"),
 ]
 FINISH_REASONS = ("stop", "length", "abort")
+# KV tiers, one series per tier (label tier="host" or "disk"): (name, type, help, key of the tier's stats)
+TIER_METRICS = [
+    ("kvforge_kv_tier_queries_tokens_total", "counter", "Prompt tokens looked up in a KV tier (missed every faster level).", "query_tokens"),
+    ("kvforge_kv_tier_hits_tokens_total", "counter", "Prompt tokens a KV tier served.", "hit_tokens"),
+    ("kvforge_kv_tier_bytes_written_total", "counter", "Bytes written into a KV tier.", "bytes_written"),
+    ("kvforge_kv_tier_bytes_read_total", "counter", "Bytes loaded from a KV tier into the device pool.", "bytes_read"),
+    ("kvforge_kv_tier_load_seconds_total", "counter", "Time spent loading blocks from a KV tier.", "load_seconds"),
+    ("kvforge_kv_tier_evictions_total", "counter", "Blocks a KV tier evicted (LRU) to stay within its size.", "evictions"),
+    ("kvforge_kv_tier_used_bytes", "gauge", "Bytes a KV tier holds.", "used_bytes"),
+]
 
 
 class ServerMetrics:
@@ -81,13 +91,19 @@ class ServerMetrics:
         with self._lock:
             self.finish_counts[reason] = self.finish_counts.get(reason, 0) + 1
 
-    def render(self, snapshot: dict[str, float], model_name: str) -> str:
+    def render(self, snapshot: dict, model_name: str) -> str:
         lines: list[str] = []
         label = f'model_name="{_escape(model_name)}"'
         for name, alias, kind, help_text, key in GAUGES:
             for metric in filter(None, (name, alias)):
                 _head(lines, metric, kind, help_text)
                 lines.append(f"{metric}{{{label}}} {_fmt(snapshot.get(key, 0))}")
+        tiers = snapshot.get("tiers") or {}
+        if tiers:
+            for name, kind, help_text, key in TIER_METRICS:
+                _head(lines, name, kind, help_text)
+                for tier, stats in tiers.items():  # type: ignore[union-attr]
+                    lines.append(f'{name}{{{label},tier="{tier}"}} {_fmt(stats.get(key, 0))}')
         with self._lock:
             finishes = dict(self.finish_counts)
         for metric in ("kvforge_requests_finished_total", "vllm:request_success_total"):
