@@ -35,7 +35,7 @@ DOC = ("The warehouse log records every pallet that enters or leaves the site, w
 
 
 def tokens(tok, text: str, n: int) -> list[int]:
-    ids = tok.encode(text * (1 + n // 20), add_special_tokens=False)[:n]
+    ids = tok.encode(text * (1 + n // 4), add_special_tokens=False)[:n]
     assert len(ids) == n
     return ids
 

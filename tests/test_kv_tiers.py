@@ -253,3 +253,16 @@ def test_prometheus_exports_per_tier_counters():
     assert 'kvforge_kv_tier_hits_tokens_total{model_name="m",tier="host"} 32' in text
     assert 'kvforge_kv_tier_evictions_total{model_name="m",tier="disk"} 2' in text
     assert "kvforge_kv_tier" not in ServerMetrics().render({}, "m")
+
+
+def test_plan_shows_tiers_and_when_they_pay(capsys):
+    from kvforge.cli import main
+
+    assert main(["plan", "--model", "llama-3-8b", "--kv-offload-memory", "64GiB", "--kv-disk-size", "1TiB",
+                 "--disk-bandwidth", "3GB/s", "--prefill-rate", "10000"]) == 0
+    out = capsys.readouterr().out
+    assert "[tier-pays]" in out and "host tier 64.00 GiB holds 32768 blocks (524288 tokens)" in out
+    assert "4K-token prefix (512.00 MiB) in 179.0 ms (pays)" in out  # 512 MiB at 3 GB/s vs 409.6 ms recompute
+    assert main(["plan", "--model", "llama-3-8b", "--kv-disk-size", "1TiB", "--disk-bandwidth", "0.5GB/s"]) == 0
+    assert "[tier-slower-than-recompute]" in capsys.readouterr().out
+    assert main(["plan", "--kv-disk-size", "-1"]) == 2 and "--kv-disk-size" in capsys.readouterr().err
