@@ -262,6 +262,8 @@ class KVCacheCoordinator:
         """Release `req`'s blocks in every group (its hash chain stays on the request for readmission)."""
         for m in self.managers:
             m.free(req)
+        if self.tiers is not None:
+            self.tiers.forget_lookup(req.request_id)  # an aborted waiting request leaves no lookup trace
 
     def reset_prefix_cache(self) -> bool:
         """All pools or none: refused while any group holds a block."""
