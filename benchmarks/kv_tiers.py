@@ -82,6 +82,8 @@ def chat_case(llm, args, workdir: str) -> dict:
         llm.engine.close()
         results[name] = {"ttft_turn1_ms": 1e3 * sum(ttfts[0]) / len(ttfts[0]),
                          "ttft_later_ms": 1e3 * sum(later) / len(later), "tiers": stats}
+        print(f"  chat {name}: TTFT turn 1 {results[name]['ttft_turn1_ms']:.1f} ms, turns 2+ "
+              f"{results[name]['ttft_later_ms']:.1f} ms", flush=True)
         outputs[name] = outs
     base = results["recompute"]["ttft_later_ms"]
     print(f"\nchat: {args.conversations} conversations x {args.turns} turns, history {args.history} tokens, "

@@ -6,14 +6,29 @@ allowed range. Pure Python (no torch): the planner and scheduler use it too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvforge import hf_config
 from kvforge.ledger import KVCacheFormat, KVShape, parse_bytes
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+if TYPE_CHECKING:
+    import torch
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # model (compute) dtypes
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # llama-like layers with RMSNorm on q and k per head
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # "fp8" is an alias of fp8_e4m3
 KV_CACHE_SCALES = ("token", "head", "channel", "tensor")  # channel: K only, V falls back to token
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a model dtype name. torch is imported here, on call, so config stays torch-free."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {name!r}")
+    return dtypes[name]
 
 
 @dataclass(slots=True)
@@ -36,6 +51,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
     hidden_act: str = "silu"
     sliding_windows: tuple[int | None, ...] = ()
     mla_latent_dim: int = 0  # MLA (DeepSeek-V2/V3): kv_lora_rank + qk_rope_head_dim cached per token per layer
@@ -45,18 +61,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
+        """Read through `kvforge.hf_config`, the reader the planner uses too (text_config, layer_types...)."""
+        cfg = hf_config.text_config(cfg)
         model_type = cfg.get("model_type", "llama")
-        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-            model_type, "LlamaForCausalLM"
-        )
-        num_heads = int(cfg["num_attention_heads"])
+        arch = hf_config.architecture(cfg)
         hidden = int(cfg["hidden_size"])
-        num_kv = cfg.get("num_key_value_heads")
-        num_kv = num_heads if num_kv is None else int(num_kv)
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_heads = int(cfg["num_attention_heads"])
+        num_kv = hf_config.num_kv_heads(cfg)
+        head_dim = hf_config.head_dim(cfg)
         n_layers = int(cfg["num_hidden_layers"])
-        windows = _sliding_windows(cfg, model_type, n_layers)
+        windows = hf_config.layer_windows(cfg)
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
@@ -82,6 +96,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type in QK_NORM_FAMILIES,
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_windows=windows,
             mla_latent_dim=int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"]) if cfg.get("kv_lora_rank") else 0,
@@ -107,26 +122,6 @@ class ModelConfig:
         if not self.sliding_windows or any(w is None for w in self.sliding_windows):
             return None
         return max(w for w in self.sliding_windows if w is not None)
-
-
-def _sliding_windows(cfg: dict[str, Any], model_type: str, n_layers: int) -> tuple[int | None, ...]:
-    """Per-layer window sizes (None = full attention) from any of the HF spellings."""
-    window = cfg.get("sliding_window")
-    if not window or (model_type == "qwen2" and not cfg.get("use_sliding_window", False)):
-        return ()
-    layer_types = cfg.get("layer_types")
-    if layer_types and model_type != "qwen2":
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    if model_type.startswith("gemma3"):  # older configs: `sliding_window_pattern - 1` local layers, then a global
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        return tuple(int(window) if (i + 1) % pattern else None for i in range(n_layers))
-    if model_type == "gemma2":  # alternating, starting with a local layer
-        return tuple(int(window) if (i + 1) % 2 else None for i in range(n_layers))
-    max_window_layers = cfg.get("max_window_layers", n_layers) if model_type == "qwen2" else n_layers
-    # Qwen2 applies the window from layer max_window_layers upwards.
-    if model_type == "qwen2":
-        return tuple(int(window) if i >= max_window_layers else None for i in range(n_layers))
-    return tuple(int(window) for _ in range(n_layers))
 
 
 @dataclass(slots=True)

@@ -102,7 +102,9 @@ class KVCacheFormat:
             )
 
     @classmethod
-    def uniform(cls, dtype: str, granularity: str | None = None, *, scale_granularity: str | None = None):
+    def uniform(
+        cls, dtype: str, granularity: str | None = None, *, scale_granularity: str | None = None
+    ) -> KVCacheFormat:
         """Same dtype for K and V; quantized dtypes default to per-token scales (`scale_granularity=` is an alias)."""
         granularity = granularity or scale_granularity
         if dtype in QUANTIZED_DTYPES and granularity is None:
@@ -268,7 +270,8 @@ def kv_cache_groups(shape: KVShape) -> list[KVGroup]:
     """
     windows = [shape.window_of(i) for i in range(shape.num_layers)]
     if None not in windows:
-        return [KVGroup(max(windows), tuple(range(shape.num_layers)))]  # type: ignore[type-var]
+        widest = max(w for w in windows if w is not None)  # every entry is an int here (None was ruled out)
+        return [KVGroup(widest, tuple(range(shape.num_layers)))]
     if all(w is None for w in windows):
         return [KVGroup(None, tuple(range(shape.num_layers)))]
     keys = sorted(set(windows), key=lambda w: (w is not None, w or 0))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvforge.config import ModelConfig, SchedulerConfig
+from kvforge.config import ModelConfig, SchedulerConfig, torch_dtype
 from kvforge.engine.args import EngineArgs
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
@@ -22,8 +22,8 @@ from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.startup_report import StartupReport, build_startup_report
-from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
-from kvforge.kv.calibration import calibrate_static_scales
+from kvforge.engine.calibration import calibrate_static_scales
+from kvforge.kv.cache_factory import make_layer_caches
 from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
@@ -51,7 +51,7 @@ class LLMEngine:
         model = build_model(self.model_config)
         model.load_weights(checkpoint.weights)
         del checkpoint
-        self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
+        self.model = model.to(dtype=torch_dtype(args.dtype), device=self.device).eval()
         from kvforge.kv.tiers.setup import model_fingerprint
 
         self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
@@ -83,7 +83,7 @@ class LLMEngine:
         layer_groups = [group_of[i] for i in range(cfg.num_layers)]
         caches = make_layer_caches(
             cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
-            cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
+            cache_cfg.block_size, self.device, torch_dtype(args.dtype),
         )
         self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, args.seed,
                                   args.attention_backend)

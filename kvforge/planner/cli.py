@@ -24,7 +24,7 @@ from kvforge.planner.specs import (
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "plan", help="KV-cache memory ledger and capacity plan for a model",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
