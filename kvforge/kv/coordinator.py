@@ -14,7 +14,7 @@ are computed once, on the request, and read by every group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvforge.kv.blocks import BlockPool, KVBlock
 from kvforge.kv.group_manager import GroupManager
@@ -200,7 +200,8 @@ class KVCacheCoordinator:
             if hit is None:
                 break
             hits.append(hit)
-        return KVCacheBlocks((hits,)), len(hits) * bs
+        # tier hits ride in the device list until commit_slots gives each a fresh block
+        return KVCacheBlocks((cast(list[KVBlock], hits),)), len(hits) * bs
 
     def record_lookup(self, req: KVRequest, num_cached: int) -> None:
         """Count an admitted request's lookup; called once per admission, never for a failed attempt."""
@@ -237,7 +238,7 @@ class KVCacheCoordinator:
             req.cached_tokens_by_tier = self._count_by_tier(hits[0])  # type: ignore[attr-defined]
         return [m.commit_slots(req, num_new_tokens, h, hashes) for m, h in zip(self.managers, hits)]
 
-    def _count_by_tier(self, hits: list) -> dict[str, int]:
+    def _count_by_tier(self, hits: Sequence[KVBlock | TierHit]) -> dict[str, int]:
         """Prompt tokens each level served at admission: the device pool, then each tier."""
         counts = {"device": 0, **{name: 0 for name in (self.tiers.names if self.tiers else ())}}
         for hit in hits:

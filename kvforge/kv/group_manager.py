@@ -116,7 +116,7 @@ class GroupManager:
         self._publish_full_blocks(req, (num_computed + num_new_tokens) // self.block_size, hashes)
         return copies
 
-    def _load_tier_hits(self, hits: list) -> list[KVBlock]:
+    def _load_tier_hits(self, hits: Sequence[KVBlock | TierHit]) -> list[KVBlock]:
         """Device blocks for `hits`: a tier hit gets a fresh block, published under its hash, load queued.
 
         Called after the device hits are touched, so taking a fresh block cannot evict one of them.

@@ -112,7 +112,9 @@ def tier_pays(col: Column, opts: PlanOptions, tiers: dict[str, tuple[int, float]
     blocks = -(-prefix // opts.block_size)
     prefix_bytes = blocks * col.per_block
     recompute_ms = prefix / prefill_rate * 1e3
-    parts, nums, pays = [], {"prefix_tokens": prefix, "prefix_bytes": prefix_bytes, "recompute_ms": recompute_ms}, []
+    nums: dict[str, Any] = {"prefix_tokens": prefix, "prefix_bytes": prefix_bytes, "recompute_ms": recompute_ms}
+    parts: list[str] = []
+    pays: list[bool] = []
     for name, (capacity, bandwidth) in tiers.items():
         cap_blocks = capacity // col.per_block
         load_ms = prefix_bytes / bandwidth * 1e3

@@ -25,6 +25,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Sequence
+from typing import cast
 
 from kvforge.kv.tiers.keys import FORMAT_VERSION
 from kvforge.kv.tiers.lru import LRUIndex
@@ -84,7 +85,7 @@ class DiskTier:
         self.pending: dict[bytes, tuple[tuple[int, ...], bytes]] = {}  # queued writes, served from memory
         self.bytes_written = self.bytes_read = self.num_corrupt = 0
         self._scan()
-        self.queue: queue.Queue | None = None
+        self.queue: queue.Queue[bytes | None] | None = None
         if background:
             self.queue = queue.Queue()
             self.thread = threading.Thread(target=self._writer, name="kvforge-disk-tier", daemon=True)
@@ -128,7 +129,7 @@ class DiskTier:
                 return False
             self.index.add(key, None, size)
         for old, _ in evicted:
-            self._unlink(self.path(old))
+            self._unlink(self.path(cast(bytes, old)))
         return True
 
     @staticmethod

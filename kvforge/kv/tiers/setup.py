@@ -36,7 +36,7 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def build_tiers(
-    caches: list, fingerprint: str, cache_format: Any, block_size: int, num_blocks: int, args: Any,
+    caches: list[Any], fingerprint: str, cache_format: Any, block_size: int, num_blocks: int, args: Any,
     device: torch.device,
 ) -> tuple[KVTiers, BlockMover]:
     mover = BlockMover(caches)

@@ -167,12 +167,12 @@ class KVTiers:
         if disk:
             mover.import_bytes([b for b, _ in disk], [h.payload for _, h in disk])
         elapsed = time.perf_counter() - start
-        for name, loads in (("host", host), ("disk", disk)):
-            if loads:
+        for name, done in (("host", host), ("disk", disk)):
+            if done:
                 st = self.stats[name]
-                st.blocks_loaded += len(loads)
-                st.bytes_read += len(loads) * mover.block_nbytes
-                st.load_seconds += elapsed * len(loads) / (len(host) + len(disk))
+                st.blocks_loaded += len(done)
+                st.bytes_read += len(done) * mover.block_nbytes
+                st.load_seconds += elapsed * len(done) / (len(host) + len(disk))
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, dict[str, float]]:
