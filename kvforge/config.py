@@ -9,13 +9,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvforge import hf_config
-from kvforge.ledger import KVCacheFormat, KVShape, parse_bytes
+from kvforge.flags import option
+from kvforge.ledger import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, KVCacheFormat, KVShape, parse_bytes,
+)
 
 if TYPE_CHECKING:
     import torch
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # model (compute) dtypes
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # llama-like layers with RMSNorm on q and k per head
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")  # kvforge.attention implements them
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # "fp8" is an alias of fp8_e4m3
 KV_CACHE_SCALES = ("token", "head", "channel", "tensor")  # channel: K only, V falls back to token
@@ -124,16 +129,23 @@ class ModelConfig:
         return max(w for w in self.sliding_windows if w is not None)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    k_cache_dtype: str | None = None  # overrides kv_cache_dtype for K alone (None: kv_cache_dtype)
-    v_cache_dtype: str | None = None  # ... and for V alone, e.g. K "auto" + V "fp8"
-    kv_cache_scale: str = "token"  # scale granularity of quantized K/V
+    """How the KV cache is laid out and sized. Fields double as CLI flags (`kvforge.flags.option`)."""
+
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block")
+    kv_cache_memory: int | str | None = option(
+        None, "KV cache size in bytes or like 2GiB (default 1GiB unless --num-kv-blocks is given)")
+    num_kv_blocks: int | None = option(None, "exact number of KV blocks instead of a memory size")
+    kv_cache_dtype: str = option(
+        "auto", "K and V storage: auto (model dtype), 16/32-bit floats, fp8 (e4m3), fp8_e5m2, int8, int4",
+        choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = option(True, "turn prefix caching off", flag="--no-prefix-caching")
+    k_cache_dtype: str | None = option(None, "K alone (overrides --kv-cache-dtype)", choices=KV_CACHE_DTYPES)
+    v_cache_dtype: str | None = option(None, "V alone (overrides --kv-cache-dtype)", choices=KV_CACHE_DTYPES)
+    kv_cache_scale: str = option(
+        "token", "quantization scales: per token, per head, per channel (K only, per block), per tensor (static)",
+        choices=KV_CACHE_SCALES)
 
     def __post_init__(self) -> None:
         for name in ("k_cache_dtype", "v_cache_dtype"):
@@ -144,10 +156,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        memory = self.kv_cache_memory
+        if memory is None and self.num_kv_blocks is None:
+            memory = DEFAULT_KV_CACHE_MEMORY
+        # parsed here and only here: from now on an int of bytes (or None when num_kv_blocks sizes the pool)
+        object.__setattr__(self, "kv_cache_memory", None if memory is None else parse_bytes(memory, "kv_cache_memory"))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
@@ -163,14 +178,21 @@ class CacheConfig:
         return KVCacheFormat(k, v, self.kv_cache_scale if quantized else None)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int = 2048
+    """What runs in one step. Fields double as CLI flags (`kvforge.flags.option`)."""
+
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "sequences running at once")
+    max_num_batched_tokens: int = option(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, "token budget per step (prefill chunks + decodes)")
+    # None until the engine resolves it to the model's max_position_embeddings
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.max_model_len
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {v!r}")

@@ -24,7 +24,11 @@ ELEMENT_BYTES: dict[str, float] = {
     "int4": 0.5,
 }
 SCALE_BYTES = 4  # scales are stored as float32
-DEFAULT_MAX_NUM_SEQS = 64  # the engine's scheduler defaults (EngineArgs), which size hybrid models' group pools
+# The engine's defaults, written once here (the bottom of the import graph) and used by
+# kvforge.config's CacheConfig/SchedulerConfig (hence the CLI flags), the planner and the ledger's own
+# functions; the scheduler ones size hybrid models' group pools.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZED_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
 
@@ -148,7 +152,7 @@ def _layer_block_bytes(shape: KVShape, fmt: KVCacheFormat, block_size: int) -> F
 
 
 def kv_bytes_per_token_per_layer(
-    shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> float:
     """Bytes one token occupies in one layer's cache (scales included; per-block scales amortised)."""
     if isinstance(fmt, str):
@@ -156,7 +160,7 @@ def kv_bytes_per_token_per_layer(
     return float(_layer_block_bytes(shape, fmt, block_size) / block_size)
 
 
-def kv_bytes_per_token(shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16) -> float:
+def kv_bytes_per_token(shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """Bytes one token occupies across all layers (windowed layers counted in full)."""
     return shape.num_layers * kv_bytes_per_token_per_layer(shape, fmt, block_size)
 
@@ -171,7 +175,7 @@ def kv_bytes_per_block(shape: KVShape, block_size: int, fmt: KVCacheFormat | str
 
 
 def kv_bytes_for_sequence(
-    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> float:
     """Bytes a sequence of `seq_len` tokens holds; windowed layers hold at most their window."""
     if seq_len < 0:
@@ -198,7 +202,7 @@ def blocks_per_sequence(seq_len: int, block_size: int) -> int:
 
 
 def kv_bytes_for_sequence_paged(
-    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> int:
     """Bytes a sequence really pins in a paged pool: each layer's held tokens rounded up to whole blocks.
 
@@ -219,7 +223,7 @@ def kv_bytes_for_sequence_paged(
 
 
 def max_concurrency(
-    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16,
+    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> int:
     """How many sequences of `seq_len` tokens fit at once in `memory_bytes` of KV memory.

@@ -36,19 +36,21 @@ def model_fingerprint(model: torch.nn.Module) -> str:
 
 
 def build_tiers(
-    caches: list[Any], fingerprint: str, cache_format: Any, block_size: int, num_blocks: int, args: Any,
+    caches: list[Any], fingerprint: str, cache_format: Any, block_size: int, num_blocks: int, tier_config: Any,
     device: torch.device,
 ) -> tuple[KVTiers, BlockMover]:
+    """The host and disk tiers `tier_config` (kvforge.engine.args.TierConfig) asks for, and the block mover."""
+    cfg = tier_config
     mover = BlockMover(caches)
     namespace = namespace_digest({
         "model": fingerprint, "k_dtype": cache_format.k_dtype, "v_dtype": cache_format.v_dtype,
         "scales": cache_format.scale_granularity, "block_size": block_size, "layout": layout_description(caches),
     })
     host = None
-    if args.kv_offload_memory:
-        host = HostTier(args.kv_offload_memory, mover.block_nbytes, pin_memory=device.type == "cuda")
-    disk = DiskTier(args.kv_disk_cache, args.kv_disk_size, namespace) if args.kv_disk_cache else None
-    tiers = KVTiers(namespace, block_size, host, disk, args.preemption_mode)
+    if cfg.kv_offload_memory:
+        host = HostTier(cfg.kv_offload_memory, mover.block_nbytes, pin_memory=device.type == "cuda")
+    disk = DiskTier(cfg.kv_disk_cache, cfg.disk_size, namespace) if cfg.kv_disk_cache else None
+    tiers = KVTiers(namespace, block_size, host, disk, cfg.preemption_mode)
     tiers.copy_bytes_per_s = mover.measure_bandwidth(num_blocks)
     tiers.disk_bytes_per_s = measure_read_bandwidth(disk.directory, 4 * mover.block_nbytes) if disk else None
     return tiers, mover
