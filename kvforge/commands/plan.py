@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default=None, help="sample prompts (.json, .jsonl or text) for the prefix-cache lint")
     p.add_argument("--offload-bandwidth", default=None, help="host link for KV offload, e.g. 32GB/s (PCIe 4.0 x16)")
     p.add_argument("--hbm-bandwidth", default="2TB/s", help="GPU memory bandwidth for decode-time estimates")
+    p.add_argument("--kv-offload-memory", default=None, help="host KV tier size, e.g. 64GiB: capacity and load time")
+    p.add_argument("--kv-disk-size", default=None, help="disk KV tier size, e.g. 1TiB: capacity and load time")
+    p.add_argument("--disk-bandwidth", default="3GB/s", help="disk tier read bandwidth (default 3GB/s, an NVMe SSD)")
+    p.add_argument("--prefill-rate", type=float, default=10000.0,
+                   help="prefill tokens/s, the recompute side of the tier lint (the engine measures its own at start-up)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw KV memory and concurrency vs context length")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -98,7 +103,15 @@ def build_columns(args: argparse.Namespace, opts: PlanOptions) -> list[Column]:
 def collect_lints(args: argparse.Namespace, cols: list[Column], opts: PlanOptions) -> list[Lint]:
     offload = parse_bandwidth(args.offload_bandwidth) if args.offload_bandwidth else None
     hbm = parse_bandwidth(args.hbm_bandwidth, "--hbm-bandwidth")
-    lints = [lint for col in cols for lint in column_lints(col, opts, offload, hbm)]
+    tiers = {}
+    if args.kv_offload_memory:
+        tiers["host"] = (parse_bytes(args.kv_offload_memory, "--kv-offload-memory"), offload or 32e9)
+    if args.kv_disk_size:
+        tiers["disk"] = (parse_bytes(args.kv_disk_size, "--kv-disk-size"),
+                         parse_bandwidth(args.disk_bandwidth, "--disk-bandwidth"))
+    if not args.prefill_rate > 0:
+        raise ValueError(f"--prefill-rate must be > 0 tokens/s, got {args.prefill_rate}")
+    lints = [lint for col in cols for lint in column_lints(col, opts, offload, hbm, tiers, args.prefill_rate)]
     if args.prompts:
         found = prefix_cache_lint(load_prompts(args.prompts), opts.block_size, cols[0].per_token)
         if found:

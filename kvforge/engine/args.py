@@ -1,7 +1,7 @@
 """EngineConfig: every engine option, written once, validated once, shared by LLM, the CLI and the server.
 
 `EngineConfig` composes frozen section configs (model, cache, scheduler,
-parallel); each option is one `kvforge.flags.option` field in its section, and
+parallel, KV tiers); each option is one `kvforge.flags.option` field in its section, and
 the engine flags of `kvforge generate|chat|serve` are generated from those
 fields, so a default lives in exactly one place. Adding an engine option is
 one field in the right section.
@@ -21,6 +21,10 @@ from typing import Any
 from kvforge.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig
 from kvforge.flags import add_dataclass_flags, flag_errors, flags_of, option, values_for
 from kvforge.engine.sampling_params import SEED_MAX
+from kvforge.kv.tiers.cost import PREEMPTION_MODES
+from kvforge.ledger import parse_bytes
+
+DEFAULT_KV_DISK_SIZE = 10 << 30  # disk tier bound when kv_disk_cache is given without kv_disk_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +68,51 @@ class ParallelConfig:
                              f"got {self.tensor_parallel_size!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """KV tiers below the device pool (kvforge.kv.tiers): host memory and disk for evicted prefix blocks."""
+
+    kv_offload_memory: int | str | None = option(
+        None, "host-memory tier for evicted prefix blocks, e.g. 8GiB (pinned on CUDA)")
+    kv_disk_cache: str | None = option(
+        None, "disk tier directory: evicted prefix blocks survive restarts (shareable between processes)",
+        metavar="DIR")
+    kv_disk_size: int | str | None = option(
+        None, "disk tier bound, e.g. 50GiB (default 10GiB with --kv-disk-cache), LRU by access")
+    preemption_mode: str = option(
+        "auto", "auto = swap to the host tier when the measured ledger says it beats recomputing",
+        choices=PREEMPTION_MODES)
+
+    def __post_init__(self) -> None:
+        # sizes parsed here and only here: from now on ints of bytes; the directory is created and probed
+        if self.kv_offload_memory is not None:
+            object.__setattr__(self, "kv_offload_memory", parse_bytes(self.kv_offload_memory, "kv_offload_memory"))
+        if self.kv_disk_size is not None:
+            if self.kv_disk_cache is None:
+                raise ValueError("kv_disk_size needs kv_disk_cache (a directory)")
+            object.__setattr__(self, "kv_disk_size", parse_bytes(self.kv_disk_size, "kv_disk_size"))
+        if self.kv_disk_cache is not None:
+            if not isinstance(self.kv_disk_cache, str) or not self.kv_disk_cache:
+                raise ValueError(f"kv_disk_cache must be a directory path, got {self.kv_disk_cache!r}")
+            from kvforge.kv.tiers.disk import check_directory  # pure Python, but touches the file system
+
+            object.__setattr__(self, "kv_disk_cache", check_directory(self.kv_disk_cache, "kv_disk_cache"))
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kv_offload_memory) or self.kv_disk_cache is not None
+
+    @property
+    def disk_size(self) -> int:
+        """The disk tier bound in bytes (kv_disk_size, or 10GiB)."""
+        return DEFAULT_KV_DISK_SIZE if self.kv_disk_size is None else int(self.kv_disk_size)
+
+
 SECTIONS: dict[str, type] = {
     "model_config": ModelOptions, "cache_config": CacheConfig,
-    "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig,
+    "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig, "tier_config": TierConfig,
 }
 # option name -> section; option names are unique across sections, so flat keywords are unambiguous
 _SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -79,7 +125,12 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    tier_config: TierConfig = field(default_factory=TierConfig)
     log_ledger: bool = True  # print the memory ledger to stderr at start-up
+
+    def __post_init__(self) -> None:  # checks across sections
+        if self.tier_config.enabled and not self.cache_config.enable_prefix_caching:
+            raise ValueError("kv_offload_memory / kv_disk_cache serve prefix blocks and need prefix caching on")
 
     @classmethod
     def create(cls, **options: Any) -> "EngineConfig":
@@ -118,15 +169,16 @@ def EngineArgs(model: str | None = None, **options: Any) -> EngineConfig:  # noq
     return EngineConfig.create(model=model, **options)
 
 
-ENGINE_FLAG_SECTIONS = (ModelOptions, CacheConfig, SchedulerConfig, ParallelConfig)
+ENGINE_FLAG_SECTIONS = (ModelOptions, CacheConfig, SchedulerConfig, ParallelConfig, TierConfig)
 ENGINE_FLAGS = flags_of(*ENGINE_FLAG_SECTIONS)  # option name -> CLI flag, for error messages
 
 
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags every engine command shares (`kvforge generate|chat|serve`), generated from the configs."""
     g = parser.add_argument_group("engine")
+    t = parser.add_argument_group("kv tiers")
     for cls in ENGINE_FLAG_SECTIONS:
-        add_dataclass_flags(g, cls)
+        add_dataclass_flags(t if cls is TierConfig else g, cls)
 
 
 def engine_args_from_cli(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

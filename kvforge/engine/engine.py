@@ -71,6 +71,9 @@ class LLMEngine:
             del checkpoint
             self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
             p.next()
+            from kvforge.kv.tiers.setup import model_fingerprint
+
+            self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
             pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
             p.next()
         self._init_cache_and_scheduler()
@@ -115,12 +118,51 @@ class LLMEngine:
         if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
+        self.tiers = None
+        if config.tier_config.enabled:
+            self._init_tiers(caches, groups, cache_cfg.block_size)
+
+    def _init_tiers(self, caches: list, groups: list, block_size: int) -> None:
+        """Host/disk tiers below the block pool (kvforge.kv.tiers), after calibration fixed any static scales."""
+        from kvforge.kv.tiers.cost import SwapCost
+        from kvforge.kv.tiers.setup import build_tiers, ledger_rows, measure_prefill_rate
+
+        tiers, mover = build_tiers(caches, self.model_fingerprint, self.cache_format, block_size,
+                                   self.pool.num_blocks, self.config.tier_config, self.device)
+        n = min(256, (self.pool.num_blocks - 1) * block_size, self.scheduler_config.max_model_len - 1)
+        rate = measure_prefill_rate(self.prompt_logits, max(n, 1), self.model_config.vocab_size)
+        self.kv.reset_prefix_cache()  # the measuring prompt is no prefix anyone will reuse
+        tiers.swap_cost = SwapCost(tiers.copy_bytes_per_s, rate, mover.block_nbytes, block_size)
+        self.kv.attach_tiers(tiers)
+        self.runner.attach_tiers(tiers, mover)
+        self.tiers = tiers
+        self.report.tiers = ledger_rows(tiers, mover.block_nbytes, block_size)
+        if self.config.log_ledger:
+            print("\n".join(f"  {k:<18}  {v}" for k, v in self.report.tiers), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Write the device's cached prefix blocks to the KV tiers and wait for the disk.
+
+        A restarted engine on the same kv_disk_cache then serves every prefix this one had cached,
+        not only the ones the pool happened to evict. A no-op without tiers.
+        """
+        if self.tiers is None:
+            return
+        pool = self.kv.pools[0]
+        self.tiers.flush(self.runner.mover, [(b.block_id, b.block_hash, b.token_ids) for b in pool.blocks
+                                             if b.block_hash is not None and b.token_ids is not None])
+        self.tiers.close()
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Per-tier counters (hits/queries in tokens, bytes, load time, evictions); empty without tiers."""
+        return self.tiers.snapshot() if self.tiers is not None else {}
 
     def reconfigure_kv_cache(self, **changes: object) -> None:
         """Rebuild pool, manager, scheduler and runner with changed engine options (e.g. kv_cache_dtype), keeping the
         loaded weights: how `kvforge eval kv-quant` compares cache formats without reloading the model."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot reconfigure the KV cache while requests are running")
+        self.close()  # the KV tiers are rebuilt with the new pool (a new KV format is a new tier namespace)
         self.config = self.config.replace(**changes)
         self._init_cache_and_scheduler()
 

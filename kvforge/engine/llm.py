@@ -108,6 +108,14 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    def close(self) -> None:
+        """Write cached prefix blocks to the KV tiers (kv_disk_cache: a restart serves them) and stop the disk writer."""
+        self.engine.close()
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        """Per-tier hits and queries (tokens), bytes written and read, load seconds, evictions."""
+        return self.engine.tier_stats()
+
     def explain_prefix_miss(
         self, prompt_a: str, prompt_b: str, cache_salt_a: str | None = None, cache_salt_b: str | None = None
     ) -> "PrefixMissReport":

@@ -11,6 +11,8 @@ coordinator, so it can run in another process (a tensor-parallel rank).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
@@ -34,6 +36,18 @@ class ModelRunner:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(seed)
+        self.tiers: Any = None  # KV tiers (kvforge.kv.tiers): loads and evictions queued by the KV manager
+        self.mover: Any = None
+
+    def attach_tiers(self, tiers: Any, mover: Any) -> None:
+        self.tiers, self.mover = tiers, mover
+
+    def _sync_tiers(self, loads: list) -> None:
+        """Before any write into the caches: evicted blocks out to the tiers, then `loads` (tier hits) in."""
+        if self.tiers is not None:
+            self.tiers.sync(self.mover, loads)
+        elif loads:
+            raise NotImplementedError("this runner has no second-level KV tier to load blocks from")
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -100,8 +114,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        if out.block_loads:
-            raise NotImplementedError("this runner has no second-level KV tier to load blocks from")
+        self._sync_tiers(out.block_loads)
         if out.has_copies:  # each group's copies go to that group's layers only
             for layer, cache in enumerate(self.caches):
                 pairs = out.block_copies[self.layer_groups[layer]]
@@ -149,6 +162,7 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, req: Request, block_ids: list[list[int]]) -> torch.Tensor:
         """Logits [T, V] for every token of `req`, whose blocks (`block_ids` per group) are allocated."""
+        self._sync_tiers([])
         chunk = ScheduledChunk(req, 0, req.num_tokens, block_ids=block_ids)
         input_ids, positions, meta, _ = self.prepare([chunk])
         hidden = self.model(input_ids, positions, self.caches, meta)

@@ -128,7 +128,7 @@ class OutputProcessor:
             completions = [g.finals[i] for i in sorted(g.finals)]
             del self.groups[gid]
         return RequestOutput(gid, g.prompt, list(g.prompt_token_ids), sorted(completions, key=lambda c: c.index),
-                             finished, req.num_cached_prompt_tokens, g.metrics)
+                             finished, req.num_cached_prompt_tokens, g.metrics, dict(req.cached_tokens_by_tier))
 
     def _completion(self, req: Request, finished: bool) -> CompletionOutput:
         st = self.states[req.request_id]

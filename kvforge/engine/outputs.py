@@ -48,3 +48,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    # num_cached_tokens per level: "device" (the block pool), and with KV tiers "host" and "disk"
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)

@@ -37,6 +37,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # that hit per level: device, host, disk
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None

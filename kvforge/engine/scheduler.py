@@ -40,7 +40,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: BlockCopies = field(default_factory=list)  # per KV cache group: copy-on-write (src, dst) pairs
     preempted: list[Request] = field(default_factory=list)
-    block_loads: list[KVLoad] = field(default_factory=list)  # KV tiers: second-level blocks to load (none yet)
+    block_loads: list[KVLoad] = field(default_factory=list)  # KV tiers: second-level blocks to load first
 
     def add_copies(self, copies: BlockCopies) -> None:
         for group, pairs in zip(self.block_copies, copies):
@@ -67,6 +67,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions that swapped blocks out to the host tier
         # A lone request can always grow to this length, so it never preempts itself forever.
         limit = kv.max_request_tokens(config.max_num_batched_tokens)  # None: windowed, O(window) blocks
         self.max_seq_len = config.max_model_len if limit is None else min(config.max_model_len, limit)
@@ -110,6 +111,7 @@ class Scheduler:
             if chunk.samples and chunk.request.num_seqs > 1:
                 chunk.forks = self._fork(chunk.request)
             chunk.block_ids = self.kv.block_ids(chunk.request.request_id)  # final: every allocation is done
+        out.block_loads.extend(self.kv.take_block_loads())  # tier hits the admissions took
         return out
 
     def _fork(self, parent: Request) -> list[Request]:
@@ -127,6 +129,7 @@ class Scheduler:
                 cid, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_ids, parent.cache_salt,
                 parent.arrival_time, RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens,
                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+                cached_tokens_by_tier=dict(parent.cached_tokens_by_tier),
                 first_scheduled_time=parent.first_scheduled_time, parent_id=parent.request_id, sample_index=i,
             )
             self.kv.fork(parent, child)
@@ -159,6 +162,11 @@ class Scheduler:
             budget -= n
 
     def _preempt(self, req: Request) -> None:
+        """Free `req`'s blocks and queue it again; with a host tier its full blocks may be swapped out first
+        (when moving them beats recomputing them), so re-admission loads them back instead."""
+        if self.kv.should_swap(req):
+            self.kv.swap_out(req)
+            self.num_swaps += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED

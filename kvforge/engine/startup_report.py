@@ -43,6 +43,7 @@ class StartupReport:
     groups: list[KVGroup] = field(default_factory=list)  # hybrid models: one pool per group, full attention first
     attention: str = ""  # the attention backend in use, fallbacks named
     linear: str = ""  # how linear layers run (oneDNN packing on CPU)
+    tiers: list[tuple[str, str]] = field(default_factory=list)  # KV tier rows (kvforge.kv.tiers.setup.ledger_rows)
     dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
 
     @property
@@ -72,6 +73,7 @@ class StartupReport:
             ("scheduler", f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"),
             *((("attention", self.attention),) if self.attention else ()),
             *((("linear layers", self.linear),) if self.linear else ()),
+            *self.tiers,
         ]
         width = max(len(k) for k, _ in rows)
         return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

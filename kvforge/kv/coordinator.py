@@ -14,13 +14,18 @@ are computed once, on the request, and read by every group.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 from kvforge.kv.blocks import BlockPool, KVBlock
 from kvforge.kv.group_manager import GroupManager
 from kvforge.kv.hashing import BlockHash, extend_block_hashes
-from kvforge.kv.interface import BlockCopies, KVCacheBlocks, KVRequest
+from kvforge.kv.interface import BlockCopies, KVCacheBlocks, KVLoad, KVRequest
 from kvforge.kv.stats import PrefixCacheStats
+from kvforge.kv.tiers.tiers import TierHit
 from kvforge.ledger import KVGroup
+
+if TYPE_CHECKING:
+    from kvforge.kv.tiers.tiers import KVTiers
 
 
 class PoolsView:
@@ -74,6 +79,47 @@ class KVCacheCoordinator:
         self.managers = [GroupManager(BlockPool(g.num_blocks, enable_caching), block_size, g.window) for g in groups]
         self.pool = PoolsView(self.pools, [len(g.layers) for g in groups])
         self.stats = PrefixCacheStats()
+        self.tiers: KVTiers | None = None  # host/disk tiers below the device pool (kvforge.kv.tiers)
+
+    # ---- KV tiers -------------------------------------------------------------------------
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Evicted cached blocks go to `tiers`; a prefix lookup that misses the device continues there.
+
+        One full-attention group only: a windowed or hybrid model's hits need per-group placeholders
+        the tiers do not model yet.
+        """
+        if self.num_groups != 1 or self.managers[0].sliding_window is not None:
+            raise ValueError("kv_offload_memory / kv_disk_cache do not support sliding-window or hybrid KV caches yet")
+        manager = self.managers[0]
+        pool = manager.pool
+
+        def on_evict(block_hash: BlockHash, block_id: int) -> None:  # called before the block forgets its tokens
+            tokens = pool.blocks[block_id].token_ids
+            if tokens is not None:
+                tiers.on_evict(block_id, block_hash, tokens)
+
+        pool.add_evict_listener(on_evict)
+        manager.tiers = self.tiers = tiers
+
+    def take_block_loads(self) -> list[KVLoad]:
+        """Tier hits the allocations since the last call took: the runner loads them before the forward pass."""
+        loads: list[KVLoad] = []
+        for m in self.managers:
+            loads.extend(m.loads)
+            m.loads.clear()
+        return loads
+
+    def should_swap(self, req: KVRequest) -> bool:
+        """Swap `req`'s blocks to the host tier at preemption (the measured ledger's cheaper choice)?"""
+        return self.tiers is not None and self.tiers.should_swap(self.managers[0].num_published.get(req.request_id, 0))
+
+    def swap_out(self, req: KVRequest) -> None:
+        """Queue `req`'s full published blocks for the host tier; re-admission loads them back as tier hits."""
+        assert self.tiers is not None
+        m = self.managers[0]
+        table = m.tables.get(req.request_id, [])[: m.num_published.get(req.request_id, 0)]
+        self.tiers.swap_out((b.block_id, b.block_hash, b.token_ids) for b in table
+                            if b.block_hash is not None and b.token_ids is not None)
 
     # ---- shape and capacity ---------------------------------------------------------------
     @property
@@ -128,6 +174,8 @@ class KVCacheCoordinator:
         if not self.enable_caching:
             return KVCacheBlocks.empty(self.num_groups), 0
         hashes = self.block_hashes(req)
+        if self.tiers is not None:
+            return self._computed_blocks_with_tiers(req, hashes)
         anchor, *others = self.managers
         head = anchor.cached_blocks(req, hashes, (req.num_tokens - 1) // self.block_size, stop_at_miss=True)
         found = [m.cached_blocks(req, hashes, len(head)) for m in others]
@@ -141,10 +189,26 @@ class KVCacheCoordinator:
             hits.append([m.null_block] * first + [b for b in f[first:k] if b is not None])
         return KVCacheBlocks(tuple(hits)), k * self.block_size
 
+    def _computed_blocks_with_tiers(self, req: KVRequest, hashes: list[BlockHash]) -> tuple[KVCacheBlocks, int]:
+        """Each block from the device pool, else from the fastest tier holding it; stops at the first miss."""
+        assert self.tiers is not None
+        self.tiers.forget_lookup(req.request_id)
+        pool, bs, hits = self.managers[0].pool, self.block_size, []
+        for i, h in enumerate(hashes[: (req.num_tokens - 1) // bs]):
+            tokens = req.all_token_ids[i * bs : (i + 1) * bs]
+            hit = pool.get_cached_block(h, tokens) or self.tiers.lookup(req.request_id, h, tokens)
+            if hit is None:
+                break
+            hits.append(hit)
+        # tier hits ride in the device list until commit_slots gives each a fresh block
+        return KVCacheBlocks((cast(list[KVBlock], hits),)), len(hits) * bs
+
     def record_lookup(self, req: KVRequest, num_cached: int) -> None:
         """Count an admitted request's lookup; called once per admission, never for a failed attempt."""
         if self.enable_caching:
             self.stats.record(req.num_tokens, num_cached, recompute=req.num_preemptions > 0)
+        if self.tiers is not None:
+            self.tiers.record_lookup(req.request_id)
 
     # ---- allocation -----------------------------------------------------------------------
     def release_out_of_window(self, req: KVRequest) -> None:
@@ -170,7 +234,16 @@ class KVCacheCoordinator:
         if not all(m.can_allocate(req, num_new_tokens, h) for m, h in zip(self.managers, hits)):
             return None
         hashes = self.block_hashes(req) if self.enable_caching else []
+        if req.num_computed_tokens == 0 and req.num_preemptions == 0 and req.request_id not in self.managers[0].tables:
+            req.cached_tokens_by_tier = self._count_by_tier(hits[0])  # type: ignore[attr-defined]
         return [m.commit_slots(req, num_new_tokens, h, hashes) for m, h in zip(self.managers, hits)]
+
+    def _count_by_tier(self, hits: Sequence[KVBlock | TierHit]) -> dict[str, int]:
+        """Prompt tokens each level served at admission: the device pool, then each tier."""
+        counts = {"device": 0, **{name: 0 for name in (self.tiers.names if self.tiers else ())}}
+        for hit in hits:
+            counts[hit.tier if isinstance(hit, TierHit) else "device"] += self.block_size
+        return counts
 
     def drop_blocks(self, request_id: str, group: int, indices: Sequence[int]) -> int:
         """Lossy eviction: free the blocks at `indices` of one group's table, null block in their place.
@@ -190,6 +263,8 @@ class KVCacheCoordinator:
         """Release `req`'s blocks in every group (its hash chain stays on the request for readmission)."""
         for m in self.managers:
             m.free(req)
+        if self.tiers is not None:
+            self.tiers.forget_lookup(req.request_id)  # an aborted waiting request leaves no lookup trace
 
     def reset_prefix_cache(self) -> bool:
         """All pools or none: refused while any group holds a block."""

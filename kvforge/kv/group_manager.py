@@ -10,9 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from typing import TYPE_CHECKING
+
 from kvforge.kv.blocks import BlockPool, KVBlock
 from kvforge.kv.hashing import BlockHash
-from kvforge.kv.interface import KVRequest
+from kvforge.kv.interface import KVLoad, KVRequest
+from kvforge.kv.tiers.tiers import TierHit
+
+if TYPE_CHECKING:
+    from kvforge.kv.tiers.tiers import KVTiers
 
 
 class GroupManager:
@@ -23,6 +29,8 @@ class GroupManager:
         self.tables: dict[str, list[KVBlock]] = {}
         self.num_published: dict[str, int] = {}
         self.num_cow_copies = 0  # blocks copied because a forked sample wrote into a shared partial block
+        self.tiers: KVTiers | None = None  # KV tiers below this pool (set by the coordinator)
+        self.loads: list[KVLoad] = []  # tier hits taken by commit_slots, for the next SchedulerOutput
 
     @property
     def null_block(self) -> KVBlock:
@@ -78,8 +86,9 @@ class GroupManager:
         table = self.tables.get(req.request_id, [])
         num_new_blocks = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
         cow = self._needs_copy_on_write(req, table, num_new_tokens)
-        # Hit blocks sitting in the free queue stop being free once touched (null placeholders are not blocks).
-        reclaimed = sum(1 for b in self.live(computed_blocks) if b.ref_cnt == 0)
+        # Hit blocks sitting in the free queue stop being free once touched (null placeholders are not blocks);
+        # a tier hit needs a fresh block to load into.
+        reclaimed = sum(1 for b in self.live(computed_blocks) if isinstance(b, TierHit) or b.ref_cnt == 0)
         return num_new_blocks + int(cow) <= self.pool.num_free_blocks - reclaimed
 
     def commit_slots(
@@ -89,7 +98,8 @@ class GroupManager:
         table = self.tables.setdefault(req.request_id, [])
         num_new_blocks = self.blocks_needed(req, num_new_tokens, len(computed_blocks))
         cow = self._needs_copy_on_write(req, table, num_new_tokens)
-        self.pool.touch(self.live(computed_blocks))
+        self.pool.touch(b for b in self.live(computed_blocks) if isinstance(b, KVBlock))
+        computed_blocks = self._load_tier_hits(computed_blocks)
         table.extend(computed_blocks)
         copies: list[tuple[int, int]] = []
         if cow:
@@ -105,6 +115,22 @@ class GroupManager:
         self.num_published.setdefault(req.request_id, len(computed_blocks))
         self._publish_full_blocks(req, (num_computed + num_new_tokens) // self.block_size, hashes)
         return copies
+
+    def _load_tier_hits(self, hits: Sequence[KVBlock | TierHit]) -> list[KVBlock]:
+        """Device blocks for `hits`: a tier hit gets a fresh block, published under its hash, load queued.
+
+        Called after the device hits are touched, so taking a fresh block cannot evict one of them.
+        """
+        out = []
+        for hit in hits:
+            if isinstance(hit, TierHit):
+                assert self.tiers is not None
+                (block,) = self.pool.get_new_blocks(1)
+                self.loads.append(self.tiers.acquire(hit, block.block_id))
+                self.pool.cache_block(block, hit.block_hash, hit.token_ids)
+                hit = block
+            out.append(hit)
+        return out
 
     def release_out_of_window(self, req: KVRequest) -> None:
         """Return blocks wholly before every future query's window to the pool, keeping their table slots.

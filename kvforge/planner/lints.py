@@ -108,6 +108,38 @@ def offload_cost(col: Column, opts: PlanOptions, bandwidth: float, hbm_bandwidth
                 {"transfer_ms_per_token": transfer_ms, "gpu_step_ms": gpu_ms, "sequence_bytes": seq_bytes})
 
 
+def tier_pays(col: Column, opts: PlanOptions, tiers: dict[str, tuple[int, float]], prefill_rate: float) -> Lint:
+    """The other side of the offload trap: a prefix tier is read once per request, not once per step.
+
+    `tiers`: name -> (capacity bytes, read bandwidth). Loading a 4K-token prefix costs its bytes over the
+    tier's bandwidth; recomputing it costs 4096 tokens over the prefill rate. The tier pays when loading wins.
+    """
+    prefix = 4096
+    blocks = -(-prefix // opts.block_size)
+    prefix_bytes = blocks * col.per_block
+    recompute_ms = prefix / prefill_rate * 1e3
+    nums: dict[str, Any] = {"prefix_tokens": prefix, "prefix_bytes": prefix_bytes, "recompute_ms": recompute_ms}
+    parts: list[str] = []
+    pays: list[bool] = []
+    for name, (capacity, bandwidth) in tiers.items():
+        cap_blocks = capacity // col.per_block
+        load_ms = prefix_bytes / bandwidth * 1e3
+        nums[name] = {"capacity_blocks": cap_blocks, "capacity_tokens": cap_blocks * opts.block_size,
+                      "load_ms_per_block": col.per_block / bandwidth * 1e3, "load_ms_per_4k_prefix": load_ms}
+        pays.append(load_ms < recompute_ms)
+        parts.append(f"{name} tier {format_bytes(capacity)} holds {cap_blocks} blocks ({cap_blocks * opts.block_size} "
+                     f"tokens); at {_rate(bandwidth)} a block loads in {col.per_block / bandwidth * 1e3:.3f} ms and a "
+                     f"4K-token prefix ({format_bytes(prefix_bytes)}) in {load_ms:.1f} ms "
+                     f"({'pays' if load_ms < recompute_ms else 'slower than recomputing'})")
+    msg = (f"{col.label}: prefix tiers are read once per request that reuses a prefix, not per decoded token (the "
+           f"offload trap): " + "; ".join(parts) + f". Recomputing that prefix at {prefill_rate:.0f} tokens/s "
+           f"prefill takes {recompute_ms:.1f} ms.")
+    severity = "info" if all(pays) else "warning"
+    if severity == "warning":
+        msg += " A tier slower than recompute only costs a lookup and a copy: drop it or use a faster medium."
+    return Lint("tier-pays" if severity == "info" else "tier-slower-than-recompute", severity, msg, nums)
+
+
 def prefill_peak(col: Column, opts: PlanOptions) -> Lint:
     """The transient peak of one chunk of max_num_batched_tokens at the end of a max_model_len prompt."""
     context = opts.max_model_len or model_max_len(col.cfg)
@@ -141,12 +173,15 @@ def prefill_peak(col: Column, opts: PlanOptions) -> Lint:
 
 
 def column_lints(
-    col: Column, opts: PlanOptions, offload_bandwidth: float | None = None, hbm_bandwidth: float = 2e12
+    col: Column, opts: PlanOptions, offload_bandwidth: float | None = None, hbm_bandwidth: float = 2e12,
+    tiers: dict[str, tuple[int, float]] | None = None, prefill_rate: float | None = None,
 ) -> list[Lint]:
     """All per-configuration lints, most costly mistakes first."""
     found = [missing_kv_heads(col), max_model_len_waste(col, opts)]
     if offload_bandwidth:
         found.append(offload_cost(col, opts, offload_bandwidth, hbm_bandwidth))
+    if tiers and prefill_rate:
+        found.append(tier_pays(col, opts, tiers, prefill_rate))
     if col.capacity is not None:  # "whether it fits" needs a budget; without one it is noise
         found.append(prefill_peak(col, opts))
     return [lint for lint in found if lint is not None]

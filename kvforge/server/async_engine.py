@@ -85,7 +85,21 @@ class AsyncEngine:
         self._post(("wake",))
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+            stuck, self._thread = self._thread.is_alive(), None
+            if stuck:  # the engine thread still holds the pool: no flush behind its back
+                log.warning("engine thread did not stop within %g s; KV tiers not flushed", timeout)
+                return
+        self._flush_tiers()
+
+    def _flush_tiers(self) -> None:
+        """KV tiers: the pool's cached prefix blocks to disk, so a restart serves them. Runs after the drain
+        (lifecycle.DrainingServer) finished or failed every request and the engine thread stopped."""
+        if self.error is not None:
+            return  # the engine broke mid-step: its blocks are not trusted; the tiers keep what they had
+        try:
+            self.engine.close()
+        except Exception:  # noqa: BLE001 - shutting down: report, do not mask the exit
+            log.exception("flushing the KV tiers failed")
 
     def fail_unfinished(self, message: str) -> None:
         """End every request still running with EngineDeadError(message): streams get an error event and
@@ -308,4 +322,5 @@ class AsyncEngine:
             "prefix_hits": stats.hits,
             "max_waiting": -1 if self.max_waiting_requests is None else self.max_waiting_requests,
             "draining": int(self.draining),
+            "tiers": e.tier_stats(),  # type: ignore[dict-item]  # KV tiers (host, disk): per-tier counters
         }

@@ -32,7 +32,7 @@ GAUGES = [
     ("kvforge_requests_waiting", "vllm:num_requests_waiting", "gauge", "Requests waiting to be admitted (the queue that --max-waiting-requests bounds).", "waiting"),
     ("kvforge_max_waiting_requests", None, "gauge", "The --max-waiting-requests bound (-1 = unbounded).", "max_waiting"),
     ("kvforge_draining", None, "gauge", "1 while the server drains for shutdown (no new requests admitted).", "draining"),
-    ("kvforge_preemptions_total", "vllm:num_preemptions_total", "counter", "Requests preempted (recompute) for lack of KV blocks.", "preemptions"),
+    ("kvforge_preemptions_total", "vllm:num_preemptions_total", "counter", "Requests preempted for lack of KV blocks (recomputed, or swapped to the host KV tier).", "preemptions"),
     ("kvforge_prompt_tokens_total", "vllm:prompt_tokens_total", "counter", "Prompt tokens computed (prefill).", "prompt_tokens"),
     ("kvforge_generation_tokens_total", "vllm:generation_tokens_total", "counter", "Tokens generated.", "generation_tokens"),
     ("kvforge_prefix_cache_queries_total", "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
@@ -47,6 +47,16 @@ HISTOGRAMS = [
     ("kvforge_request_queue_time_seconds", "vllm:request_queue_time_seconds", "Time from arrival to first being scheduled.", "queue_time", LATENCY_BUCKETS),
 ]
 FINISH_REASONS = ("stop", "length", "abort")
+# KV tiers, one series per tier (label tier="host" or "disk"): (name, type, help, key of the tier's stats)
+TIER_METRICS = [
+    ("kvforge_kv_tier_queries_tokens_total", "counter", "Prompt tokens looked up in a KV tier (missed every faster level).", "query_tokens"),
+    ("kvforge_kv_tier_hits_tokens_total", "counter", "Prompt tokens a KV tier served.", "hit_tokens"),
+    ("kvforge_kv_tier_bytes_written_total", "counter", "Bytes written into a KV tier.", "bytes_written"),
+    ("kvforge_kv_tier_bytes_read_total", "counter", "Bytes loaded from a KV tier into the device pool.", "bytes_read"),
+    ("kvforge_kv_tier_load_seconds_total", "counter", "Time spent loading blocks from a KV tier.", "load_seconds"),
+    ("kvforge_kv_tier_evictions_total", "counter", "Blocks a KV tier evicted (LRU) to stay within its size.", "evictions"),
+    ("kvforge_kv_tier_used_bytes", "gauge", "Bytes a KV tier holds.", "used_bytes"),
+]
 REJECT_REASONS = ("queue_full", "draining")
 # family names (prometheus-client drops a counter's `_total`) -> vLLM alias, and series to leave out of it
 _ALIASES = {name: alias for name, alias, *_ in HISTOGRAMS} | {"kvforge_requests_finished": "vllm:request_success"}
@@ -94,6 +104,14 @@ class _Exposition(Collector):
                 family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
                 family = family_cls(metric, help_text, labels=["model_name"])
                 family.add_metric([self.model_name], float(self.snapshot.get(key, 0)))
+                yield family
+        tiers: dict[str, dict[str, float]] = self.snapshot.get("tiers") or {}  # type: ignore[assignment]
+        if tiers:
+            for name, kind, help_text, key in TIER_METRICS:
+                family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                family = family_cls(name, help_text, labels=["model_name", "tier"])
+                for tier, stats in tiers.items():
+                    family.add_metric([self.model_name, tier], float(stats.get(key, 0)))
                 yield family
         for family in self.registry.collect():
             yield self._relabel(family, family.name)
