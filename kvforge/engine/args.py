@@ -28,6 +28,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "cpu" (in-place C decode), "auto"
+    kv_allocation: str = "paged"  # "contiguous": reserve max_model_len slots per sequence at admission (naive baseline)
     log_ledger: bool = True
 
     def __post_init__(self) -> None:
@@ -48,6 +49,10 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        from kvforge.kv.contiguous import KV_ALLOCATIONS
+
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}")
         self.cache_config()  # validates block_size, num_kv_blocks, kv_cache_dtype, k/v_cache_dtype, kv_cache_scale
 
     def cache_config(self) -> CacheConfig:
@@ -86,6 +91,9 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "sdpa", "torch"),
                    help="auto (default) = cpu on CPU when a C compiler is present, else sdpa; cpu = in-place C decode "
                         "kernel + SDPA prefill; sdpa = PyTorch fused kernels; torch = reference implementation")
+    g.add_argument("--kv-allocation", default="paged", choices=("paged", "contiguous"),
+                   help="paged (default) = blocks as tokens arrive; contiguous = reserve max_model_len slots per "
+                        "sequence at admission, as a naive server does (for comparison: kvforge learn paging)")
 
 
 def engine_args_from_cli(args: argparse.Namespace, **overrides: object) -> EngineArgs:

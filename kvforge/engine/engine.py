@@ -24,7 +24,9 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
 from kvforge.kv.calibration import calibrate_static_scales
+from kvforge.kv.contiguous import apply_kv_allocation
 from kvforge.kv.hybrid import make_kv_manager
+from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
@@ -71,6 +73,8 @@ class LLMEngine:
         groups = split_kv_blocks(shape, self.cache_format, cache_cfg.block_size, num_blocks,
                                  args.max_num_seqs, args.max_num_batched_tokens)
         self.kv = make_kv_manager(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        self.kv = apply_kv_allocation(self.kv, args.kv_allocation, max_model_len)  # "contiguous": naive reservation
+        self.kv_usage = KVUtilizationStats()  # tokens stored / slots allocated, measured every step
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         layer_groups = {layer: g for g, group in enumerate(groups) for layer in group.layers}
@@ -141,6 +145,7 @@ class LLMEngine:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
             self.runner.release(req.request_id)
         self.outputs.abort(request_id, samples)
+        self.kv_usage.pop_request(request_id)
         self.counters.num_requests_aborted += 1
         return True
 
@@ -163,6 +168,7 @@ class LLMEngine:
                 self.samples[chunk.request.group_id].extend(chunk.forks)
                 self.outputs.fork(chunk.forks)
         results = self.runner.execute(sched_out)
+        self.kv_usage.observe(self.kv, *stored_after_step(self.scheduler.running, sched_out.chunks))
         self.counters.num_steps += 1
         self.counters.num_prompt_tokens += sum(
             min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start)) for c in sched_out.chunks
@@ -183,6 +189,8 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 del self.samples[out.request_id]
+                if out.metrics is not None:
+                    out.metrics.set_kv_usage(self.kv_usage.pop_request(out.request_id))
                 self.counters.num_requests_finished += 1
         return outputs
 

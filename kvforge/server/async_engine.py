@@ -227,4 +227,5 @@ class AsyncEngine:
             "generation_tokens": e.counters.num_generation_tokens,
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
+            **e.kv_usage.as_dict(),  # kv_utilization, kv_slots_allocated, kv_reserved_unused_slots, ...
         }

@@ -55,6 +55,12 @@ GAUGES = [
     ("kvforge_prefix_cache_queries_total", "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
     ("kvforge_prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", "prefix_hits"),
 ]
+# KV utilization (issue 18), measured from the block tables each step (kvforge/kv/utilization.py)
+GAUGES += [
+    ("kvforge_kv_utilization_ratio", None, "gauge", "KV tokens stored / KV token slots allocated to running requests (1 = no waste).", "kv_utilization"),
+    ("kvforge_kv_slots_allocated", None, "gauge", "KV token slots held by running requests' block tables.", "kv_slots_allocated"),
+    ("kvforge_kv_reserved_unused_slots", None, "gauge", "KV token slots allocated but holding no token (waste).", "kv_reserved_unused_slots"),
+]
 HISTOGRAMS = [
     ("kvforge_time_to_first_token_seconds", "vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.", "ttft"),
     ("kvforge_inter_token_latency_seconds", "vllm:inter_token_latency_seconds", "Time between consecutive generated tokens of a request.", "itl"),
