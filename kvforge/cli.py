@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "kvforge.commands.bench",
     "cache": "kvforge.commands.cache",
     "eval": "kvforge.commands.eval",
+    "learn": "kvforge.commands.learn",
 }
 
 

@@ -77,6 +77,7 @@ class KVUtilizationStats:
         self.num_steps = 0
         self.sum_tokens_stored = 0
         self.sum_slots_allocated = 0
+        self.sum_running_seqs = 0
         self.peak_running_seqs = 0
         self.peak_slots_allocated = 0
         self.per_request: dict[str, dict[str, KVUtilization]] = {}  # caller's id -> sample id -> last view
@@ -88,6 +89,7 @@ class KVUtilizationStats:
         self.num_steps += 1
         self.sum_tokens_stored += snap.tokens_stored
         self.sum_slots_allocated += snap.slots_allocated
+        self.sum_running_seqs += len(num_stored)
         self.peak_running_seqs = max(self.peak_running_seqs, len(num_stored))
         self.peak_slots_allocated = max(self.peak_slots_allocated, snap.slots_allocated)
         for rid, n in num_stored.items():

@@ -1,0 +1,57 @@
+"""Shared pieces of the `kvforge learn` demos: the engine they measure, prompts, tables and plots."""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def make_engine(model: str | None, dtype: str, **kwargs: Any) -> Any:
+    """An LLMEngine without the start-up ledger (the demos print their own tables)."""
+    from kvforge.engine.args import EngineArgs
+    from kvforge.engine.engine import LLMEngine
+
+    return LLMEngine(EngineArgs(model=model, dtype=dtype, log_ledger=False, **kwargs))
+
+
+def model_label(engine: Any, model: str | None) -> str:
+    name = model or "SmolLM2-135M-Instruct (default)"
+    return f"{name}, {engine.args.dtype}, {engine.device}"
+
+
+def random_prompts(n: int, lengths: Sequence[int] | int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of random token ids (distinct, so no prefix is shared), each of its given length."""
+    rng = random.Random(seed)
+    lens = [lengths] * n if isinstance(lengths, int) else list(lengths)
+    return [[rng.randrange(3, vocab) for _ in range(k)] for k in lens]
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Right-aligned text table; floats printed as given (format them before)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells)
+
+
+def save_plot(path: str, draw: Callable[[Any], None]) -> None:
+    """Draw with matplotlib (the `plot` extra) into `path`; a clear error if it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'kvforge[plot]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def fmt_g(flops: float) -> str:
+    return f"{flops / 1e9:.2f}"
