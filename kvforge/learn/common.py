@@ -55,3 +55,13 @@ def fmt_ms(seconds: float) -> str:
 
 def fmt_g(flops: float) -> str:
     return f"{flops / 1e9:.2f}"
+
+
+def log_log_axes(ax: Any, xlabel: str, ylabel: str, title: str, xbase: int = 10) -> None:
+    """Log-log axes with labels and a legend (both demo line plots)."""
+    ax.set_xscale("log", base=xbase)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.learn.common import fmt_g, fmt_ms, random_prompts, render_table
+from kvforge.learn.common import fmt_g, fmt_ms, log_log_axes, random_prompts, render_table
 from kvforge.learn.flops import ModelShape, decode_step_flops, prefill_flops
 
 BATCHES, QUICK_BATCHES = (1, 32), (1, 32)
@@ -109,12 +109,7 @@ def plot(ax: Any, rows: list[Row], probe: Any) -> None:
     for r in rows:
         ax.scatter(r.intensity, r.achieved / 1e9, s=50, marker="o" if r.phase == "prefill" else "s")
         ax.annotate(f"{r.phase} b={r.batch}", (r.intensity, r.achieved / 1e9), textcoords="offset points", xytext=(5, 5))
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("achieved GFLOP/s")
-    ax.set_title("prefill vs decode on the roofline")
-    ax.legend()
+    log_log_axes(ax, "arithmetic intensity (FLOP/byte)", "achieved GFLOP/s", "prefill vs decode on the roofline")
 
 
 def run(args: Any) -> int:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.learn.common import fmt_g, fmt_ms, random_prompts, render_table
+from kvforge.learn.common import fmt_g, fmt_ms, log_log_axes, random_prompts, render_table
 from kvforge.learn.flops import ModelShape, decode_step_flops, no_cache_step_flops
 
 CONTEXTS = (64, 128, 256, 512, 1024, 2048)
@@ -143,12 +143,7 @@ def plot(ax: Any, rows: list[Row]) -> None:
     ctx = [r.context for r in rows]
     ax.plot(ctx, [r.no_cache_s * 1e3 for r in rows], "o-", label="no cache (recompute prefix)")
     ax.plot(ctx, [r.cached_s * 1e3 for r in rows], "s-", label="KV cache (one decode step)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("ms per generated token")
-    ax.set_title("why-cache: time per token as the context grows")
-    ax.legend()
+    log_log_axes(ax, "context length (tokens)", "ms per generated token", "why-cache: time per token as the context grows", 2)
 
 
 def run(args: Any) -> int:

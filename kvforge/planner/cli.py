@@ -9,6 +9,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -51,6 +52,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, help="sample prompts (.json, .jsonl or text) for the prefix-cache lint")
     p.add_argument("--offload-bandwidth", default=None, help="host link for KV offload, e.g. 32GB/s (PCIe 4.0 x16)")
     p.add_argument("--hbm-bandwidth", default="2TB/s", help="GPU memory bandwidth for decode-time estimates")
+    # decode roofline (issue 18): kvforge/planner/roofline.py
+    p.add_argument("--bandwidth", default=None,
+                   help="memory bandwidth for the decode roofline: a rate (3.35TB/s) or h100, h200, a100, l4, "
+                        "cpu (measured by a short copy probe)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw KV memory and concurrency vs context length")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -116,5 +121,33 @@ def run(args: argparse.Namespace) -> int:
 
         write_plot(args.plot, cols, opts)
         print(f"wrote {args.plot}", file=sys.stderr)
-    print(render_json(cols, opts, lints) if args.json else render_table(cols, opts, lints))
+    roofs = decode_rooflines(args, cols, opts)
+    if args.json:
+        doc = json.loads(render_json(cols, opts, lints))
+        if roofs:
+            doc["decode_roofline"] = {"bandwidth": roofs[1], "configs": [r.to_dict() for r in roofs[2]]}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render_table(cols, opts, lints))
+        if roofs:
+            from kvforge.planner.roofline import render as render_roofline
+
+            print()
+            print(render_roofline(*roofs))
     return 0
+
+
+def decode_rooflines(args: argparse.Namespace, cols: list[Column], opts: PlanOptions):  # type: ignore[no-untyped-def]
+    """(labels, bandwidth label, DecodeRoofline per column) for --bandwidth, or None."""
+    if args.bandwidth is None:
+        return None
+    from kvforge.planner.roofline import DecodeRoofline, resolve_bandwidth
+
+    def measure_cpu() -> float:
+        from kvforge.learn.probe import measure_bandwidth  # torch, only for --bandwidth cpu
+
+        return measure_bandwidth()
+
+    label, rate = resolve_bandwidth(args.bandwidth, measure_cpu)
+    roofs = [DecodeRoofline(rate, c.weights_bytes, c.per_seq, opts.seq_len, opts.batch) for c in cols]
+    return [c.label for c in cols], label, roofs
