@@ -55,6 +55,11 @@ def measure(kv: Any, num_stored: Mapping[str, int]) -> KVUtilization:
     return KVUtilization(tokens, slots)
 
 
+def measure_running(kv: Any, running: Iterable[Any]) -> KVUtilization:
+    """Utilization right now: each running request's tables against the tokens it has computed."""
+    return measure(kv, {r.request_id: r.num_computed_tokens for r in running})
+
+
 def measure_request(kv: Any, request_id: str, num_stored: int) -> KVUtilization:
     """One request's own view: the slots its tables hold and the tokens written in them."""
     tokens = slots = 0
@@ -105,10 +110,11 @@ class KVUtilizationStats:
         """Tokens stored / slots allocated, summed over every step (slot-weighted)."""
         return self.sum_tokens_stored / self.sum_slots_allocated if self.sum_slots_allocated else 1.0
 
-    def as_dict(self) -> dict[str, float]:
-        return {"kv_utilization": self.last.utilization, "kv_tokens_stored": self.last.tokens_stored,
-                "kv_slots_allocated": self.last.slots_allocated,
-                "kv_reserved_unused_slots": self.last.reserved_unused_slots,
+    def as_dict(self, now: KVUtilization | None = None) -> dict[str, float]:
+        """Gauges: `now` (default: the last step's snapshot) plus the run's mean and peaks."""
+        now = now or self.last
+        return {"kv_utilization": now.utilization, "kv_tokens_stored": now.tokens_stored,
+                "kv_slots_allocated": now.slots_allocated, "kv_reserved_unused_slots": now.reserved_unused_slots,
                 "kv_mean_utilization": self.mean_utilization, "peak_running_seqs": self.peak_running_seqs,
                 "peak_slots_allocated": self.peak_slots_allocated}
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
+from kvforge.kv.utilization import measure_running
 from kvforge.server.metrics import ServerMetrics
 from kvforge.server.request_group import EngineDeadError, RequestGroup, SubRequest, resolve_future
 
@@ -227,5 +228,5 @@ class AsyncEngine:
             "generation_tokens": e.counters.num_generation_tokens,
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
-            **e.kv_usage.as_dict(),  # kv_utilization, kv_slots_allocated, kv_reserved_unused_slots, ...
+            **e.kv_usage.as_dict(measure_running(e.kv, e.scheduler.running)),  # KV utilization gauges (issue 18)
         }

@@ -60,6 +60,7 @@ GAUGES += [
     ("kvforge_kv_utilization_ratio", None, "gauge", "KV tokens stored / KV token slots allocated to running requests (1 = no waste).", "kv_utilization"),
     ("kvforge_kv_slots_allocated", None, "gauge", "KV token slots held by running requests' block tables.", "kv_slots_allocated"),
     ("kvforge_kv_reserved_unused_slots", None, "gauge", "KV token slots allocated but holding no token (waste).", "kv_reserved_unused_slots"),
+    ("kvforge_kv_utilization_mean_ratio", None, "gauge", "KV tokens stored / slots allocated, summed over every engine step so far.", "kv_mean_utilization"),
 ]
 HISTOGRAMS = [
     ("kvforge_time_to_first_token_seconds", "vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.", "ttft"),
