@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         d.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
         d.add_argument("--quick", action="store_true", help="a smaller run (under a minute)")
         d.add_argument("--plot", default=None, metavar="PNG", help="also save a plot (needs matplotlib)")
+        d.add_argument("--threads", type=int, default=None,
+                       help="torch CPU threads (default: torch's); 1 measures steadily on a loaded, shared machine")
         if name == "why-cache":
             d.add_argument("--contexts", type=_int_list, default=None, help="context lengths, e.g. 64,512,2048")
         if name == "prefill-vs-decode":

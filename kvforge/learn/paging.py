@@ -17,7 +17,7 @@ from typing import Any
 
 from kvforge.learn.common import random_prompts, render_table
 
-FULL = {"num_requests": 48, "max_model_len": 1024, "contiguous_seqs": 8, "prompt": (16, 256), "output": (32, 320)}
+FULL = {"num_requests": 32, "max_model_len": 512, "contiguous_seqs": 8, "prompt": (16, 192), "output": (16, 256)}
 QUICK = {"num_requests": 12, "max_model_len": 256, "contiguous_seqs": 3, "prompt": (8, 64), "output": (8, 64)}
 TARGET_CONCURRENCY, TARGET_THROUGHPUT = 2.0, 1.5
 
@@ -141,7 +141,7 @@ def run(args: Any) -> int:
     if longest > cfg["max_model_len"]:
         cfg["prompt"] = (min(cfg["prompt"][0], cfg["max_model_len"] // 4), cfg["max_model_len"] // 2)
         cfg["output"] = (min(cfg["output"][0], cfg["max_model_len"] // 4), cfg["max_model_len"] // 2 - 1)
-    engine = make_engine(args.model, args.dtype, block_size=block_size, num_kv_blocks=num_blocks,
+    engine = make_engine(args.model, args.dtype, args.threads, block_size=block_size, num_kv_blocks=num_blocks,
                          max_model_len=cfg["max_model_len"], max_num_seqs=64, max_num_batched_tokens=1024,
                          enable_prefix_caching=False)
     prompts, out_lens = workload(cfg, engine.model_config.vocab_size)

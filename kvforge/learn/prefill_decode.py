@@ -122,7 +122,7 @@ def run(args: Any) -> int:
         raise ValueError(f"--prompt-len must be a positive integer, got {prompt_len}")
     steps = QUICK_DECODE_STEPS if args.quick else DECODE_STEPS
     seq = prompt_len + steps + 1
-    engine = make_engine(args.model, args.dtype, enable_prefix_caching=False, max_model_len=seq + 1,
+    engine = make_engine(args.model, args.dtype, args.threads, enable_prefix_caching=False, max_model_len=seq + 1,
                          max_num_seqs=max(batches), max_num_batched_tokens=max(batches) * prompt_len,
                          num_kv_blocks=max(batches) * (-(-seq // 16) + 1))
     probe = run_probe(quick=args.quick)
