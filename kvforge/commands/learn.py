@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         d.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
         d.add_argument("--quick", action="store_true", help="a smaller run (under a minute)")
         d.add_argument("--plot", default=None, metavar="PNG", help="also save a plot (needs matplotlib)")
+        d.add_argument("--cpu-time", action="store_true",
+                       help="time in this process's CPU seconds, not wall seconds (a loaded, shared machine)")
         d.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads (default: torch's); 1 measures steadily on a loaded, shared machine")
         if name == "why-cache":
@@ -54,5 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvforge.learn.common import use_cpu_clock
+
+    use_cpu_clock(args.cpu_time)
     module = importlib.import_module(DEMOS[args.demo][0])  # torch is imported there, only now
     return int(module.run(args) or 0)

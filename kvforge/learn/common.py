@@ -2,8 +2,30 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+_clock: Callable[[], float] = time.perf_counter
+
+
+def use_cpu_clock(enabled: bool) -> None:
+    """Time the demos in this process's CPU seconds instead of wall seconds.
+
+    On a machine shared with other jobs, wall time mostly measures the wait for a core;
+    CPU time measures the work. With one torch thread (--threads 1) CPU seconds equal the
+    wall seconds an idle machine would show; with more threads they add up across threads.
+    """
+    global _clock
+    _clock = time.process_time if enabled else time.perf_counter
+
+
+def now() -> float:
+    return _clock()
+
+
+def clock_label() -> str:
+    return "CPU seconds" if _clock is time.process_time else "wall seconds"
 
 
 def make_engine(model: str | None, dtype: str, threads: int | None = None, **kwargs: Any) -> Any:
@@ -29,7 +51,7 @@ def model_label(engine: Any, model: str | None) -> str:
     import torch
 
     name = model or "SmolLM2-135M-Instruct (default)"
-    return f"{name}, {engine.args.dtype}, {engine.device}, {torch.get_num_threads()} threads"
+    return f"{name}, {engine.args.dtype}, {engine.device}, {torch.get_num_threads()} threads, timed in {clock_label()}"
 
 
 def random_prompts(n: int, lengths: Sequence[int] | int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -11,11 +11,10 @@ utilization and concurrency are read from the engine's own stats (kvforge/kv/uti
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.learn.common import random_prompts, render_table
+from kvforge.learn.common import now, random_prompts, render_table
 
 FULL = {"num_requests": 32, "max_model_len": 512, "contiguous_seqs": 8, "prompt": (16, 192), "output": (16, 256)}
 QUICK = {"num_requests": 12, "max_model_len": 256, "contiguous_seqs": 3, "prompt": (8, 64), "output": (8, 64)}
@@ -54,12 +53,12 @@ def run_mode(engine: Any, mode: str, prompts: list[list[int]], out_lens: list[in
     ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(temperature=0, max_tokens=k, ignore_eos=True))
            for p, k in zip(prompts, out_lens)]
     finals: dict[str, Any] = {}
-    t = time.perf_counter()
+    t = now()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
-    wall = time.perf_counter() - t
+    wall = now() - t
     usage = engine.kv_usage
     stats = usage.as_dict()
     steps = max(usage.num_steps, 1)
@@ -94,7 +93,7 @@ def render(results: list[ModeResult], cfg: dict[str, Any], num_blocks: int, bloc
         "tokens, greedy",
         render_table(
             ["mode", "reserved MiB", "used MiB", "utilization", "waste", "waste slots/seq", "per-request util",
-             "peak seqs", "mean seqs", "out tokens", "wall s", "out tok/s"],
+             "peak seqs", "mean seqs", "out tokens", "seconds", "out tok/s"],
             rows,
         ),
         "(reserved/used: KV bytes held vs holding a token, averaged over engine steps; per-request util: "

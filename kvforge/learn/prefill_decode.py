@@ -10,11 +10,10 @@ relative to the ridge point (peak FLOP/s / bandwidth) says which limit it hits.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.learn.common import fmt_g, fmt_ms, log_log_axes, random_prompts, render_table
+from kvforge.learn.common import fmt_g, fmt_ms, log_log_axes, now, random_prompts, render_table
 from kvforge.learn.flops import ModelShape, decode_step_flops, prefill_flops
 
 BATCHES, QUICK_BATCHES = (1, 32), (1, 32)
@@ -62,17 +61,17 @@ def measure_batch(engine: Any, batch: int, prompt_len: int, decode_steps: int, s
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
     for prompt in random_prompts(batch, prompt_len, engine.model_config.vocab_size, seed=seed):
         engine.add_request(prompt_token_ids=prompt, params=params)
-    t = time.perf_counter()
+    t = now()
     first = engine.step()
-    prefill_s = time.perf_counter() - t
+    prefill_s = now() - t
     if len(first) != batch:
         raise ValueError(f"batch {batch} x {prompt_len} tokens did not prefill in one step; raise max_num_batched_tokens")
     decode_s = float("inf")
     while engine.has_unfinished_requests():
-        t = time.perf_counter()
+        t = now()
         outs = engine.step()
         if len(outs) == batch:
-            decode_s = min(decode_s, time.perf_counter() - t)
+            decode_s = min(decode_s, now() - t)
     prefill = Row("prefill", batch, batch * prompt_len, prefill_s, prefill_flops(shape, prompt_len, batch),
                   weights + batch * prompt_len * kv_per_token)  # KV written once
     ctx = prompt_len + decode_steps // 2  # the middle of the decode run

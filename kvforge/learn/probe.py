@@ -7,8 +7,9 @@ torch is imported lazily, so `kvforge plan` pays for it only with `--bandwidth c
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+
+from kvforge.learn.common import now
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +29,9 @@ def _best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     fn()  # warm-up: page faults, thread pool start
     best = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = now()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, now() - t)
     return best
 
 

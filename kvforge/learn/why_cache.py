@@ -8,11 +8,10 @@ cost is dominated by the weights and stays nearly flat as T grows.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.learn.common import fmt_g, fmt_ms, log_log_axes, random_prompts, render_table
+from kvforge.learn.common import fmt_g, fmt_ms, log_log_axes, now, random_prompts, render_table
 from kvforge.learn.flops import ModelShape, decode_step_flops, no_cache_step_flops
 
 CONTEXTS = (64, 128, 256, 512, 1024, 2048)
@@ -78,9 +77,9 @@ def time_cached(engine: Any, prompt: list[int], steps: int) -> tuple[float, floa
                                                                            ignore_eos=True))
     prefill_s, times, produced, done = 0.0, [], 0, False
     while not done:
-        t = time.perf_counter()
+        t = now()
         outs = engine.step()
-        elapsed = time.perf_counter() - t
+        elapsed = now() - t
         mine = [o for o in outs if o.request_id == rid]
         if produced > 0:  # the request already had its first token: this step was a pure decode
             times.append(elapsed)
@@ -97,9 +96,9 @@ def time_no_cache_token(engine: Any, prompt: list[int], repeats: int) -> float:
 
     best = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = now()
         _run(engine, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        best = min(best, time.perf_counter() - t)
+        best = min(best, now() - t)
     return best
 
 
