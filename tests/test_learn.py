@@ -69,7 +69,7 @@ def test_learn_prefill_vs_decode_quick(tiny_model_factory, capsys):
 
 def test_learn_paging_quick(tiny_model_factory, capsys):
     path, _ = tiny_model_factory("llama_gqa")
-    assert main(["learn", "paging", "--quick", "--model", path]) == 0
+    assert main(["learn", "paging", "--quick", "--model", path, "--cpu-time", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "greedy outputs identical: True" in out
     peak = {m.group(1): int(m.group(2)) for m in re.finditer(

@@ -56,8 +56,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from kvforge.learn.common import use_cpu_clock
 
-    use_cpu_clock(args.cpu_time)
     module = importlib.import_module(DEMOS[args.demo][0])  # torch is imported there, only now
-    return int(module.run(args) or 0)
+    threads = torch.get_num_threads()
+    use_cpu_clock(args.cpu_time)
+    try:
+        return int(module.run(args) or 0)
+    finally:  # a caller in the same process (tests, notebooks) keeps its own settings
+        use_cpu_clock(False)
+        torch.set_num_threads(threads)
