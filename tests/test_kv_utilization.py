@@ -10,20 +10,27 @@ import pytest
 from conftest import assert_no_leaks
 from kvforge import LLM, SamplingParams
 from kvforge.engine.request import Request
-from kvforge.kv.blocks import BlockPool
-from kvforge.kv.contiguous import ContiguousKVCacheManager
-from kvforge.kv.manager import KVCacheManager
+from kvforge.kv.contiguous import ContiguousKVCacheCoordinator
+from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.kv.utilization import KVUtilizationStats, measure, measure_request
+from kvforge.ledger import KVGroup
 
 
 def _req(rid: str, n: int) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams())
 
 
+def _kv(num_blocks: int, caching: bool = True, max_model_len: int | None = None) -> KVCacheCoordinator:
+    """One full-attention group of `num_blocks` blocks of 4 tokens; contiguous when max_model_len is given."""
+    groups = [KVGroup(None, (0,), num_blocks)]
+    if max_model_len is None:
+        return KVCacheCoordinator(groups, 4, caching)
+    return ContiguousKVCacheCoordinator(groups, 4, caching, max_model_len)
+
+
 @pytest.mark.parametrize("contiguous", [False, True], ids=["paged", "contiguous"])
 def test_utilization_on_scripted_schedule(contiguous):
-    pool = BlockPool(32, enable_caching=False)
-    kv = ContiguousKVCacheManager(pool, 4, max_model_len=16) if contiguous else KVCacheManager(pool, 4)
+    kv = _kv(32, caching=False, max_model_len=16 if contiguous else None)
     a, b = _req("a", 5), _req("b", 10)
     assert kv.allocate_slots(a, 5) is not None and kv.allocate_slots(b, 10) is not None
     a.num_computed_tokens, b.num_computed_tokens = 5, 10
@@ -49,17 +56,35 @@ def test_utilization_on_scripted_schedule(contiguous):
     assert (u.tokens_stored, u.slots_allocated) == (19, slots + (0 if contiguous else 4))
     kv.free(a)
     kv.free(b)
-    assert pool.num_free_blocks == 32
+    assert kv.pool.num_free_blocks == 32
+    kv.check_integrity()
 
 
 def test_contiguous_refuses_a_pool_smaller_than_one_reservation():
     with pytest.raises(ValueError, match="max_model_len"):
-        ContiguousKVCacheManager(BlockPool(3), 4, max_model_len=16)
+        _kv(3, max_model_len=16)
+
+
+def test_contiguous_refuses_windowed_groups():
+    with pytest.raises(ValueError, match="one full-attention"):
+        ContiguousKVCacheCoordinator([KVGroup(8, (0,), 16)], 4, True, 16)
+
+
+def test_contiguous_fork_shares_the_prompt_only():
+    kv = _kv(16, max_model_len=16)
+    parent, child = _req("p", 6), _req("c", 6)
+    assert kv.allocate_slots(parent, 6) is not None
+    assert kv.num_held_blocks("p") == [4]
+    kv.fork(parent, child)
+    assert kv.block_ids("c") == [kv.block_ids("p")[0][:2]]  # the prompt's two blocks, not the reservation
+    kv.free(parent)
+    kv.free(child)
+    assert kv.pool.num_free_blocks == 16
+    kv.check_integrity()
 
 
 def test_shared_blocks_count_once():
-    pool = BlockPool(16)
-    kv = KVCacheManager(pool, 4)
+    kv = _kv(16)
     parent = _req("p", 6)
     assert kv.allocate_slots(parent, 6) is not None
     child = _req("c", 6)
@@ -69,8 +94,7 @@ def test_shared_blocks_count_once():
 
 
 def test_stats_average_and_peak():
-    pool = BlockPool(16, enable_caching=False)
-    kv = KVCacheManager(pool, 4)
+    kv = _kv(16, caching=False)
     stats = KVUtilizationStats()
     a = _req("a", 3)
     kv.allocate_slots(a, 3)

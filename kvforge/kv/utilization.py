@@ -2,18 +2,18 @@
 
 A paged cache wastes at most the unfilled tail of each sequence's last block; a
 contiguous reservation (`kv/contiguous.py`) wastes everything between a sequence's
-length and max_model_len. Both are read here the same way, from the manager's real
-tables after each step's writes, so the engine, `LLM.generate` outputs and the
+length and max_model_len. Both are read here the same way, from the coordinator's
+block ids (`kv.block_ids(rid)`, per KV cache group) after each step's writes, so the engine, `LLM.generate` outputs and the
 server's /metrics report the same measured numbers (`kvforge learn paging` prints them).
-A block shared by several tables (prefix hits, n > 1 forks) is counted once.
+A block shared by several tables (prefix hits, n > 1 forks) is counted once; a
+windowed group's null-block placeholders (blocks that left the window) hold nothing.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from kvforge.kv.manager import WINDOW_FREED
+from kvforge.kv.coordinator import KVCacheCoordinator
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,42 +31,45 @@ class KVUtilization:
         return self.tokens_stored / self.slots_allocated if self.slots_allocated else 1.0
 
 
-def _managers(kv: Any) -> list[Any]:
-    return list(getattr(kv, "managers", None) or [kv])  # hybrid: one manager per KV cache group
-
-
-def _table_fill(table: Iterable[Any], num_tokens: int, block_size: int) -> Iterable[tuple[int, int]]:
+def _table_fill(block_ids: Iterable[int], null_id: int, num_tokens: int, block_size: int) -> Iterable[tuple[int, int]]:
     """(block id, tokens stored in it) for a table whose first `num_tokens` slots are written."""
-    for i, block in enumerate(table):
-        if block is not WINDOW_FREED:
-            yield block.block_id, min(block_size, max(0, num_tokens - i * block_size))
+    for i, block_id in enumerate(block_ids):
+        if block_id != null_id:
+            yield block_id, min(block_size, max(0, num_tokens - i * block_size))
 
 
-def measure(kv: Any, num_stored: Mapping[str, int]) -> KVUtilization:
-    """Whole-cache utilization: every block held by a table; `num_stored` = tokens written per request."""
+def _group_tables(kv: KVCacheCoordinator, request_ids: Iterable[str]) -> Iterable[tuple[int, int, dict[str, list[int]]]]:
+    """(group, null block id, request id -> block ids) for every KV cache group."""
+    ids = {rid: kv.block_ids(rid) for rid in request_ids}
+    for g, pool in enumerate(kv.pools):
+        yield g, pool.null_block.block_id, {rid: per_group[g] for rid, per_group in ids.items()}
+
+
+def measure(kv: KVCacheCoordinator, num_stored: Mapping[str, int]) -> KVUtilization:
+    """Utilization of the blocks held by the requests of `num_stored` (request id -> tokens written)."""
     tokens = slots = 0
-    for m in _managers(kv):
+    for _, null_id, tables in _group_tables(kv, num_stored):
         fill: dict[int, int] = {}
-        for rid, table in m.tables.items():
-            for block_id, n in _table_fill(table, num_stored.get(rid, 0), m.block_size):
+        for rid, table in tables.items():
+            for block_id, n in _table_fill(table, null_id, num_stored[rid], kv.block_size):
                 fill[block_id] = max(fill.get(block_id, 0), n)
         tokens += sum(fill.values())
-        slots += len(fill) * m.block_size
+        slots += len(fill) * kv.block_size
     return KVUtilization(tokens, slots)
 
 
-def measure_running(kv: Any, running: Iterable[Any]) -> KVUtilization:
+def measure_running(kv: KVCacheCoordinator, running: Iterable) -> KVUtilization:
     """Utilization right now: each running request's tables against the tokens it has computed."""
     return measure(kv, {r.request_id: r.num_computed_tokens for r in running})
 
 
-def measure_request(kv: Any, request_id: str, num_stored: int) -> KVUtilization:
+def measure_request(kv: KVCacheCoordinator, request_id: str, num_stored: int) -> KVUtilization:
     """One request's own view: the slots its tables hold and the tokens written in them."""
     tokens = slots = 0
-    for m in _managers(kv):
-        for _, n in _table_fill(m.tables.get(request_id, ()), num_stored, m.block_size):
+    for _, null_id, tables in _group_tables(kv, [request_id]):
+        for _, n in _table_fill(tables[request_id], null_id, num_stored, kv.block_size):
             tokens += n
-            slots += m.block_size
+            slots += kv.block_size
     return KVUtilization(tokens, slots)
 
 
@@ -87,7 +90,7 @@ class KVUtilizationStats:
         self.peak_slots_allocated = 0
         self.per_request: dict[str, dict[str, KVUtilization]] = {}  # caller's id -> sample id -> last view
 
-    def observe(self, kv: Any, num_stored: Mapping[str, int], groups: Mapping[str, str]) -> None:
+    def observe(self, kv: KVCacheCoordinator, num_stored: Mapping[str, int], groups: Mapping[str, str]) -> None:
         """`num_stored`: request id -> tokens written; `groups`: request id -> the caller's request id."""
         snap = measure(kv, num_stored)
         self.last = snap
@@ -119,7 +122,7 @@ class KVUtilizationStats:
                 "peak_slots_allocated": self.peak_slots_allocated}
 
 
-def stored_after_step(running: Iterable[Any], chunks: Iterable[Any]) -> tuple[dict[str, int], dict[str, str]]:
+def stored_after_step(running: Iterable, chunks: Iterable) -> tuple[dict[str, int], dict[str, str]]:
     """(request id -> tokens written once `chunks` run, request id -> caller's id) for every running request."""
     stored = {r.request_id: r.num_computed_tokens for r in running}
     groups = {r.request_id: r.group_id for r in running}

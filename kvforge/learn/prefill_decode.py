@@ -52,10 +52,10 @@ def measure_batch(engine: Any, batch: int, prompt_len: int, decode_steps: int, s
     """One prefill step of `batch` prompts, then the fastest of `decode_steps` decode steps of all of them."""
     from kvforge import ledger
     from kvforge.engine.sampling_params import SamplingParams
-    from kvforge.kv.cache_factory import TORCH_DTYPES
+    from kvforge.config import torch_dtype
 
     shape = ModelShape.from_config(engine.model_config)
-    elem = TORCH_DTYPES[engine.args.dtype].itemsize
+    elem = torch_dtype(engine.config.model_config.dtype).itemsize
     kv_per_token = ledger.kv_bytes_per_token(engine.model_config.kv_shape(), engine.cache_format, engine.kv.block_size)
     weights = weight_bytes_read(shape, elem)
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
@@ -116,7 +116,7 @@ def run(args: Any) -> int:
     from kvforge.learn.probe import probe as run_probe
 
     batches = tuple(args.batches) if args.batches else (QUICK_BATCHES if args.quick else BATCHES)
-    prompt_len = args.prompt_len or (QUICK_PROMPT_LEN if args.quick else PROMPT_LEN)
+    prompt_len = args.prompt_len if args.prompt_len is not None else (QUICK_PROMPT_LEN if args.quick else PROMPT_LEN)
     if prompt_len < 1:
         raise ValueError(f"--prompt-len must be a positive integer, got {prompt_len}")
     steps = QUICK_DECODE_STEPS if args.quick else DECODE_STEPS
