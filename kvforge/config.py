@@ -26,6 +26,7 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_
 KV_CACHE_DTYPES = KV_FORMAT_DTYPES + tuple(KV_DTYPE_ALIASES)
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # canonical names ("fp8" is an alias of fp8_e4m3)
 KV_CACHE_SCALES = KV_SCALE_GRANULARITIES
+KV_ALLOCATIONS = ("paged", "contiguous")  # contiguous: reserve max_model_len slots per sequence (kv/contiguous.py)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -148,8 +149,13 @@ class CacheConfig:
     kv_cache_scale: str = option(
         "token", "quantization scales: per token, per head, per channel (K only, per block), per tensor (static)",
         choices=KV_CACHE_SCALES)
+    kv_allocation: str = option(
+        "paged", "paged = blocks as tokens arrive; contiguous = reserve max_model_len slots per sequence at "
+        "admission, as a naive server does (for comparison: kvforge learn paging)", choices=KV_ALLOCATIONS)
 
     def __post_init__(self) -> None:
+        if self.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"kv_allocation must be one of {KV_ALLOCATIONS}, got {self.kv_allocation!r}")
         for name in ("kv_cache_dtype", "k_cache_dtype", "v_cache_dtype"):
             value = getattr(self, name)
             if value is not None:

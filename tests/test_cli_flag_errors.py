@@ -54,6 +54,11 @@ CASES = [
     (["plan", "--memory-utilization", "1.5"], "--memory-utilization"),
     (["plan", "--block-size", "0"], "--block-size"),
     (["plan", "--model", "no-such-preset"], "--model"),
+    (["plan", "--bandwidth", "fast"], "--bandwidth"),
+    (["learn", "why-cache", "--contexts", "64,x"], "--contexts"),
+    (["learn", "prefill-vs-decode", "--prompt-len", "0"], "--prompt-len"),
+    (["learn", "paging", "--num-requests", "0"], "--num-requests"),
+    (["learn", "paging", "--max-model-len", "1"], "--max-model-len"),
 ]
 
 
@@ -77,7 +82,7 @@ def test_bad_value_names_the_flag(argv, flag, capsys):
 def test_every_command_is_walked():
     from kvforge.commands import COMMANDS
 
-    walked = {" ".join(argv[:2]) if argv[0] in ("bench", "cache", "eval") else argv[0] for argv, _ in CASES}
+    walked = {" ".join(argv[:2]) if argv[0] in ("bench", "cache", "eval", "learn") else argv[0] for argv, _ in CASES}
     assert walked == set(COMMANDS)
 
 

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"models"},
     {"engine"},
-    {"evaluation", "server"},
+    {"evaluation", "server", "learn"},  # learn: `kvforge learn` demos over the engine
     {"commands"},  # one module per `kvforge` subcommand, and the registry
     {"cli", "__init__", "__main__"},
 ]

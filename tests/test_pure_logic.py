@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 PURE = ["kvforge.ledger", "kvforge.hf_config", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.interface", "kvforge.kv.stats",
-        "kvforge.kv.group_manager", "kvforge.kv.coordinator",
+        "kvforge.kv.group_manager", "kvforge.kv.coordinator", "kvforge.kv.contiguous", "kvforge.kv.utilization",
         "kvforge.kv.explain", "kvforge.engine.scheduler", "kvforge.engine.request", "kvforge.engine.sampling_params"]
 
 

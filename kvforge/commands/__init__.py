@@ -21,10 +21,14 @@ COMMANDS: dict[str, str] = {
     "bench serve": "kvforge.commands.bench_serve",
     "cache explain": "kvforge.commands.cache",
     "eval kv-quant": "kvforge.commands.eval",
+    "learn why-cache": "kvforge.commands.learn_why_cache",
+    "learn prefill-vs-decode": "kvforge.commands.learn_prefill_vs_decode",
+    "learn paging": "kvforge.commands.learn_paging",
 }
 
 GROUPS: dict[str, str] = {
     "bench": "benchmarks (serve: load-test an OpenAI-compatible server)",
     "cache": "prefix-cache tools (explain a miss)",
     "eval": "quality evaluations (kv-quant: KV-cache quantization)",
+    "learn": "runnable, measured lessons: why-cache, prefill-vs-decode, paging (kvforge/learn/)",
 }

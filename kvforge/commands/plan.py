@@ -9,6 +9,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from kvforge.config import CacheConfig
@@ -57,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-bandwidth", default="3GB/s", help="disk tier read bandwidth (default 3GB/s, an NVMe SSD)")
     p.add_argument("--prefill-rate", type=float, default=10000.0,
                    help="prefill tokens/s, the recompute side of the tier lint (the engine measures its own at start-up)")
+    # decode roofline (issue 18): kvforge/planner/roofline.py
+    p.add_argument("--bandwidth", default=None,
+                   help="memory bandwidth for the decode roofline: a rate (3.35TB/s) or h100, h200, a100, l4, "
+                        "cpu (measured by a short copy probe)")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw KV memory and concurrency vs context length")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -128,5 +133,33 @@ def run(args: argparse.Namespace) -> int:
 
         write_plot(args.plot, cols, opts)
         print(f"wrote {args.plot}", file=sys.stderr)
-    print(render_json(cols, opts, lints) if args.json else render_table(cols, opts, lints))
+    roofs = decode_rooflines(args, cols, opts)
+    if args.json:
+        doc = json.loads(render_json(cols, opts, lints))
+        if roofs:
+            doc["decode_roofline"] = {"bandwidth": roofs[1], "configs": [r.to_dict() for r in roofs[2]]}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(render_table(cols, opts, lints))
+        if roofs:
+            from kvforge.planner.roofline import render as render_roofline
+
+            print()
+            print(render_roofline(*roofs))
     return 0
+
+
+def decode_rooflines(args: argparse.Namespace, cols: list[Column], opts: PlanOptions):  # type: ignore[no-untyped-def]
+    """(labels, bandwidth label, DecodeRoofline per column) for --bandwidth, or None."""
+    if args.bandwidth is None:
+        return None
+    from kvforge.planner.roofline import DecodeRoofline, resolve_bandwidth
+
+    def measure_cpu() -> float:
+        from kvforge.learn.probe import measure_bandwidth  # torch, only for --bandwidth cpu
+
+        return measure_bandwidth()
+
+    label, rate = resolve_bandwidth(args.bandwidth, measure_cpu)
+    roofs = [DecodeRoofline(rate, c.weights_bytes, c.per_seq, opts.seq_len, opts.batch) for c in cols]
+    return [c.label for c in cols], label, roofs

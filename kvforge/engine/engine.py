@@ -26,7 +26,8 @@ from kvforge.engine.scheduler import Scheduler, SchedulerOutput
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.cache_factory import make_layer_caches
-from kvforge.kv.coordinator import KVCacheCoordinator
+from kvforge.kv.contiguous import make_coordinator
+from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
@@ -96,7 +97,10 @@ class LLMEngine:
             what = (f"num_kv_blocks={num_blocks}" if cache_cfg.num_kv_blocks
                     else f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes")
             raise ValueError(f"{what} holds no usable block of this model's KV cache (each pool reserves a null block)")
-        self.kv = KVCacheCoordinator(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        # kv_allocation="contiguous": every sequence reserves max_model_len slots at admission (naive baseline)
+        self.kv = make_coordinator(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
+                                   cache_cfg.kv_allocation, max_model_len)
+        self.kv_usage = KVUtilizationStats()  # tokens stored / slots allocated, measured every step
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
@@ -217,6 +221,7 @@ class LLMEngine:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
             self.runner.release(req.request_id)
         self.outputs.abort(request_id, samples)
+        self.kv_usage.pop_request(request_id)
         self.counters.num_requests_aborted += 1
         return True
 
@@ -248,6 +253,7 @@ class LLMEngine:
                 self.samples[chunk.request.group_id].extend(chunk.forks)
                 self.outputs.fork(chunk.forks)
         results = self.runner.execute(sched_out)
+        self.kv_usage.observe(self.kv, *stored_after_step(self.scheduler.running, sched_out.chunks))
         self.counters.num_steps += 1
         self.counters.num_prompt_tokens += sum(
             min(c.num_tokens, max(0, c.request.num_prompt_tokens - c.start)) for c in sched_out.chunks
@@ -268,6 +274,8 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 del self.samples[out.request_id]
+                if out.metrics is not None:
+                    out.metrics.set_kv_usage(self.kv_usage.pop_request(out.request_id))
                 self.counters.num_requests_finished += 1
         return outputs
 

@@ -29,6 +29,26 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # KV slots this request's block tables held at its last step and the tokens written in them
+    # (n > 1: summed over samples); utilization = stored / allocated (kvforge/kv/utilization.py)
+    kv_tokens_stored: int | None = None
+    kv_slots_allocated: int | None = None
+
+    def set_kv_usage(self, usage: object) -> None:
+        self.kv_tokens_stored = usage.tokens_stored  # type: ignore[attr-defined]
+        self.kv_slots_allocated = usage.slots_allocated  # type: ignore[attr-defined]
+
+    @property
+    def kv_utilization(self) -> float | None:
+        if not self.kv_slots_allocated:
+            return None
+        return (self.kv_tokens_stored or 0) / self.kv_slots_allocated
+
+    @property
+    def kv_reserved_unused_slots(self) -> int | None:
+        if self.kv_slots_allocated is None:
+            return None
+        return self.kv_slots_allocated - (self.kv_tokens_stored or 0)
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvforge.engine.engine import LLMEngine, StepFailed
 from kvforge.engine.outputs import RequestOutput
+from kvforge.kv.utilization import measure_running
 from kvforge.server.metrics import ServerMetrics
 from kvforge.server.request_group import (
     EngineDeadError, RequestFailedError, RequestGroup, ServerBusyError, SubRequest, resolve_future,
@@ -323,4 +324,5 @@ class AsyncEngine:
             "max_waiting": -1 if self.max_waiting_requests is None else self.max_waiting_requests,
             "draining": int(self.draining),
             "tiers": e.tier_stats(),  # type: ignore[dict-item]  # KV tiers (host, disk): per-tier counters
+            **e.kv_usage.as_dict(measure_running(e.kv, e.scheduler.running)),  # KV utilization gauges (issue 18)
         }

@@ -37,6 +37,11 @@ GAUGES = [
     ("kvforge_generation_tokens_total", "vllm:generation_tokens_total", "counter", "Tokens generated.", "generation_tokens"),
     ("kvforge_prefix_cache_queries_total", "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
     ("kvforge_prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", "prefix_hits"),
+    # KV utilization (issue 18), measured from the block tables each step (kvforge/kv/utilization.py)
+    ("kvforge_kv_utilization_ratio", None, "gauge", "KV tokens stored / KV token slots allocated to running requests (1 = no waste).", "kv_utilization"),
+    ("kvforge_kv_slots_allocated", None, "gauge", "KV token slots held by running requests' block tables.", "kv_slots_allocated"),
+    ("kvforge_kv_reserved_unused_slots", None, "gauge", "KV token slots allocated but holding no token (waste).", "kv_reserved_unused_slots"),
+    ("kvforge_kv_utilization_mean_ratio", None, "gauge", "KV tokens stored / slots allocated, summed over every engine step so far.", "kv_mean_utilization"),
 ]
 # (kvforge name, vLLM alias, help, attribute, buckets)
 HISTOGRAMS = [
