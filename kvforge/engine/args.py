@@ -5,6 +5,7 @@ import argparse
 from dataclasses import asdict, dataclass, fields
 
 from kvforge.config import KV_CACHE_DTYPES, KV_CACHE_SCALES, SUPPORTED_DTYPES, CacheConfig
+from kvforge.kv.eviction import EVICTION_POLICIES, EvictionConfig
 from kvforge.ledger import parse_bytes
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
@@ -28,6 +29,13 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     attention_backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "cpu" (in-place C decode), "auto"
+    # Lossy KV eviction (kv/eviction.py): policy, tokens kept per sequence, and the policies' knobs.
+    kv_eviction: str = "none"  # none, streaming, h2o, snapkv
+    kv_budget: int | None = None
+    kv_sink_tokens: int = 4
+    kv_recent_tokens: int = 32
+    snapkv_window: int = 8
+    snapkv_pool: int = 7
     log_ledger: bool = True
 
     def __post_init__(self) -> None:
@@ -49,6 +57,7 @@ class EngineArgs:
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         self.cache_config()  # validates block_size, num_kv_blocks, kv_cache_dtype, k/v_cache_dtype, kv_cache_scale
+        self.eviction_config().validate(self.block_size)  # kv_eviction, kv_budget and the policies' knobs
 
     def cache_config(self) -> CacheConfig:
         memory = self.kv_cache_memory
@@ -58,6 +67,10 @@ class EngineArgs:
             self.block_size, memory, self.num_kv_blocks, self.kv_cache_dtype, self.enable_prefix_caching,
             self.k_cache_dtype, self.v_cache_dtype, self.kv_cache_scale,
         )
+
+    def eviction_config(self) -> EvictionConfig:
+        return EvictionConfig(self.kv_eviction, self.kv_budget, self.kv_sink_tokens, self.kv_recent_tokens,
+                              self.snapkv_window, self.snapkv_pool)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,6 +96,14 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-eviction", default="none", choices=EVICTION_POLICIES,
+                   help="lossy KV eviction under --kv-budget: streaming (sinks + recent), h2o (heavy hitters), "
+                        "snapkv (prompt-end window votes, then h2o)")
+    g.add_argument("--kv-budget", type=int, default=None, help="KV tokens kept per sequence (whole blocks) with --kv-eviction")
+    g.add_argument("--kv-sink-tokens", type=int, default=4, help="first tokens every policy keeps (attention sinks)")
+    g.add_argument("--kv-recent-tokens", type=int, default=32, help="most recent tokens h2o and snapkv always keep")
+    g.add_argument("--snapkv-window", type=int, default=8, help="last prompt queries that vote (snapkv)")
+    g.add_argument("--snapkv-pool", type=int, default=7, help="max-pool width over the votes (snapkv)")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "sdpa", "torch"),
                    help="auto (default) = cpu on CPU when a C compiler is present, else sdpa; cpu = in-place C decode "
                         "kernel + SDPA prefill; sdpa = PyTorch fused kernels; torch = reference implementation")

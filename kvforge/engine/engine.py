@@ -15,6 +15,7 @@ import torch
 
 from kvforge.config import ModelConfig, SchedulerConfig
 from kvforge.engine.args import EngineArgs
+from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
@@ -24,6 +25,7 @@ from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
 from kvforge.kv.calibration import calibrate_static_scales
+from kvforge.kv.eviction import check_budget
 from kvforge.kv.hybrid import make_kv_manager
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
@@ -80,6 +82,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend,
                                   [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None)
+        self.eviction_config = args.eviction_config()
+        self.eviction: EvictionTracker | None = None
+        if self.eviction_config.enabled:
+            check_eviction_supported(cfg, len(groups))
+            self.eviction = self.runner.eviction = EvictionTracker(self.eviction_config, self.kv)  # type: ignore[arg-type]
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
@@ -126,11 +133,24 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
-        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n)
+        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n,
+                      kv_budget=self._kv_budget(params))
         self.scheduler.add_request(req)  # validates lengths and n
         self.outputs.add(req, prompt)
         self.samples[request_id] = [req]
         return request_id
+
+    def _kv_budget(self, params: SamplingParams) -> int | None:
+        """The request's eviction budget: its own `kv_budget` or the engine's; None without eviction."""
+        cfg = self.eviction_config
+        if not cfg.enabled:
+            if params.kv_budget is not None:
+                raise ValueError("kv_budget needs an engine started with kv_eviction (streaming, h2o or snapkv)")
+            return None
+        if params.kv_budget is None:
+            return cfg.budget
+        check_budget(params.kv_budget, cfg, self.kv.block_size, "kv_budget")
+        return params.kv_budget
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request and, with n > 1, every one of its samples."""
@@ -139,7 +159,7 @@ class LLMEngine:
             return False
         for req in samples:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
-            self.runner.release(req.request_id)
+            self._release(req.request_id)
         self.outputs.abort(request_id, samples)
         self.counters.num_requests_aborted += 1
         return True
@@ -169,6 +189,11 @@ class LLMEngine:
         )
         sampled = {rid: r.token_id for rid, r in results.items()}
         advanced = self.scheduler.update(sched_out, sampled)
+        if self.eviction is not None:
+            for req in sched_out.preempted:  # recompute starts over: scores go with the blocks
+                self.eviction.release(req.request_id)
+            for req in advanced:  # caught up with its tokens: cut to the budget (the prompt once, then a block at a time)
+                self.eviction.enforce(req)
         self.counters.num_generation_tokens += len(advanced)
         completions = []
         for req in advanced:
@@ -176,7 +201,7 @@ class LLMEngine:
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
-                self.runner.release(req.request_id)
+                self._release(req.request_id)
                 self.samples[req.group_id].remove(req)
             completions.append((req, completion))
         outputs = self.outputs.collect(completions)
@@ -185,6 +210,11 @@ class LLMEngine:
                 del self.samples[out.request_id]
                 self.counters.num_requests_finished += 1
         return outputs
+
+    def _release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+        if self.eviction is not None:
+            self.eviction.release(request_id)
 
     # ---- utilities ------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -29,6 +29,8 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_evicted_tokens: int = 0  # KV eviction: tokens (whole blocks) dropped from the cache, all samples
+    num_evicted_blocks: int = 0  # blocks whose reference eviction dropped (back to the pool unless shared)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -48,3 +50,13 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        """Tokens KV eviction dropped from this request's cache so far (every sample)."""
+        return self.metrics.num_evicted_tokens if self.metrics else 0
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Blocks KV eviction released from this request's tables so far (every sample)."""
+        return self.metrics.num_evicted_blocks if self.metrics else 0

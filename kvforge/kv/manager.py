@@ -139,7 +139,7 @@ class KVCacheManager:
 
     def blocks_needed(self, req: Request, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         held = len(self.tables.get(req.request_id, ())) + num_computed_blocks
-        total = req.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens
+        total = req.num_cached_kv_tokens + num_computed_blocks * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - held)
 
     def allocate_slots(
@@ -173,7 +173,7 @@ class KVCacheManager:
         table.extend(computed_blocks)
         copies: list[tuple[int, int]] = []
         if cow:
-            idx = req.num_computed_tokens // self.block_size
+            idx = req.num_cached_kv_tokens // self.block_size
             old = table[idx]
             (new,) = self.pool.get_new_blocks(1)
             self.pool.free_blocks([old])
@@ -185,6 +185,30 @@ class KVCacheManager:
         self.num_published.setdefault(req.request_id, len(computed_blocks))
         self._publish_full_blocks(req, (num_computed + num_new_tokens) // self.block_size)
         return copies
+
+    def evict(self, req: Request, keep: list[int]) -> int:
+        """Drop `req`'s full blocks whose table index is not in `keep` (ascending); returns how many.
+
+        Only this request's reference goes: a block another table shares (prefix hit, fork) stays as it
+        is, and a cached block keeps its hash, hittable until the pool reuses it. The table closes up
+        over the gap, so cache coordinates shift down by the evicted tokens (`req.num_evicted_tokens`);
+        the partly written tail block always stays. A request that evicted publishes nothing more to the
+        prefix cache: its later blocks were computed against a cut context, not the full prefix.
+        """
+        table = self.tables.get(req.request_id, [])
+        num_full = req.num_cached_kv_tokens // self.block_size
+        kept = set(keep)
+        assert kept <= set(range(num_full)), "only full blocks can be evicted"
+        dropped = [b for i, b in enumerate(table[:num_full]) if i not in kept]
+        if not dropped:
+            return 0
+        self.tables[req.request_id] = [b for i, b in enumerate(table) if i >= num_full or i in kept]
+        self.pool.free_blocks(reversed(dropped))  # a chain's tail first, as `free` does
+        n = len(dropped) * self.block_size
+        req.num_evicted_tokens += n
+        req.evicted_tokens_total += n
+        req.evicted_blocks_total += len(dropped)
+        return len(dropped)
 
     def release_out_of_window(self, req: Request) -> None:
         """Free `req`'s blocks that no future query can see (windowed tables only; a no-op otherwise).
@@ -224,16 +248,16 @@ class KVCacheManager:
 
     def _needs_copy_on_write(self, req: Request, table: list[KVBlock], num_new_tokens: int) -> bool:
         """True when this step writes into a partly filled block that another table shares."""
-        if num_new_tokens == 0 or req.num_computed_tokens % self.block_size == 0:
+        if num_new_tokens == 0 or req.num_cached_kv_tokens % self.block_size == 0:
             return False
-        idx = req.num_computed_tokens // self.block_size
+        idx = req.num_cached_kv_tokens // self.block_size
         return idx < len(table) and table[idx].ref_cnt > 1
 
     def _publish_full_blocks(self, req: Request, num_full: int) -> None:
         if not self.enable_caching:
             return
         done = self.num_published.get(req.request_id, 0)
-        if num_full <= done:
+        if num_full <= done or req.num_evicted_tokens:
             return
         hashes = self._block_hashes(req)
         table, bs = self.tables[req.request_id], self.block_size
