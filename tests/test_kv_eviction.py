@@ -192,7 +192,10 @@ def test_prefix_cache_hit_after_an_evicting_request(tiny_model_factory, policy):
     # only the prompt's full blocks were published: blocks written after the cut are not offered
     assert llm.engine.pool.num_cached_blocks == len(PROMPT) // BS
     second = llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY)
-    assert second[0].num_cached_tokens == (len(PROMPT) - 1) // BS * BS
+    # snapkv leaves its voters (the last snapkv_window tokens, 8) to compute; h2o rebuilds the hit blocks'
+    # prompt scores from their recorded query mass
+    recompute = 8 if policy == "snapkv" else 1
+    assert second[0].num_cached_tokens == (len(PROMPT) - recompute) // BS * BS
     assert _tokens(second) == _tokens(alone) == _tokens(first)
     assert_no_leaks(llm.engine)
 
@@ -248,7 +251,7 @@ def test_unsupported_models_refused(tiny_model_factory):
 
 
 # ---- random schedules -----------------------------------------------------------------------------
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     data=st.data(),
     policy=st.sampled_from(POLICIES),
@@ -265,8 +268,10 @@ def test_random_schedules_no_leak_no_shared_write(tiny_model_factory, data, poli
 
     def checked_prepare(chunks):  # every slot this step writes lies in a block no other table holds
         input_ids, positions, meta, order = prepare(chunks)
-        for slot in meta.slot_mapping.tolist():
-            assert pool.blocks[slot // BS].ref_cnt == 1, "a shared block was written"
+        slots = iter(meta.slot_mapping.tolist())
+        for i in order:  # (a prompt forked this step is written once for all its samples: skipped)
+            for slot in [next(slots) for _ in range(chunks[i].num_tokens)]:
+                assert chunks[i].forks or pool.blocks[slot // BS].ref_cnt == 1, "a shared block was written"
         return input_ids, positions, meta, order
 
     engine.runner.prepare = checked_prepare

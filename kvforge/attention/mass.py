@@ -31,6 +31,10 @@ class AttentionMassRequest:
     prefill_rows: list[slice | None]  # per prefill chunk: its rows to score (relative to the chunk), or None
     decode_mass: torch.Tensor | None = None  # [num_decodes, max context]
     prefill_mass: list[torch.Tensor | None] = field(default_factory=list)  # per chunk: [context]
+    # h2o: also split each chunk's mass by query block and key block ([query blocks, key blocks]), so the
+    # prompt's scores can be rebuilt for a later request that hits these blocks in the prefix cache
+    block_size: int = 0  # 0: not needed
+    prefill_block_mass: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def accumulate_attention_mass(
@@ -45,15 +49,31 @@ def accumulate_attention_mass(
         req.decode_mass = mass if req.decode_mass is None else req.decode_mass + mass
     if not req.prefill_mass:
         req.prefill_mass = [None] * len(meta.prefills)
+        req.prefill_block_mass = [None] * len(meta.prefills)
+    bs = req.block_size
     for i, (chunk, rows) in enumerate(zip(meta.prefills, req.prefill_rows)):
         if rows is None:
             continue
         k, _, visible = gather_prefill_context(cache, chunk, None)
         qc = q[chunk.rows][rows]
         vis = visible[rows]
-        mass = torch.zeros(k.shape[1], dtype=torch.float32, device=k.device)
+        length = k.shape[1]
+        mass = torch.zeros(length, dtype=torch.float32, device=k.device)
+        by_block = None
+        if bs:  # query rows are cache positions chunk.start + rows.start + r
+            first_q = (chunk.start + rows.start) // bs
+            num_kb = -(-length // bs)
+            by_block = torch.zeros((chunk.start + rows.stop - 1) // bs - first_q + 1, num_kb, device=k.device)
         for t in range(0, qc.shape[0], QUERY_TILE):
             tile = slice(t, t + QUERY_TILE)
-            mass += attention_probs(qc[tile][None], k, vis[tile][None], scale, softcap).sum(dim=(0, 1, 2, 3))
+            per_query = attention_probs(qc[tile][None], k, vis[tile][None], scale, softcap).sum(dim=(0, 1, 2))
+            mass += per_query.sum(0)
+            if by_block is not None:
+                q_blocks = (chunk.start + rows.start + t + torch.arange(per_query.shape[0])) // bs - first_q
+                per_kb = torch.nn.functional.pad(per_query, (0, num_kb * bs - length)).view(-1, num_kb, bs).sum(-1)
+                by_block.index_add_(0, q_blocks.to(k.device), per_kb)
         prev = req.prefill_mass[i]
         req.prefill_mass[i] = mass if prev is None else prev + mass
+        if by_block is not None:
+            prev = req.prefill_block_mass[i]
+            req.prefill_block_mass[i] = by_block if prev is None else prev + by_block

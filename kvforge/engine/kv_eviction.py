@@ -45,6 +45,15 @@ class EvictionTracker:
         self.scores: dict[str, torch.Tensor] = {}  # request id -> fp32 mass per cached token
         self.voted: set[str] = set()  # snapkv: requests whose prompt votes were pooled (prompt cut done)
         self.kept: dict[str, list[int]] = {}  # request id -> logical block of each table entry kept at the last cut
+        # h2o and prefix caching: the mass each full prompt block's queries gave every key block up to it,
+        # by block hash, so a request hitting those blocks rebuilds the same prompt scores without their
+        # queries. Only blocks with a record may be hit; records of blocks the pool forgot are pruned.
+        self.block_mass: dict[object, torch.Tensor] = {}
+        self.pending: dict[str, dict[int, torch.Tensor]] = {}  # request id -> query block -> partial record
+        if config.policy == "snapkv":
+            kv.min_recompute_tokens = config.snapkv_window  # the voters are always computed, never hit
+        elif config.policy == "h2o":
+            kv.hit_filter = lambda block: block.block_hash in self.block_mass
 
     # ---- scores -----------------------------------------------------------------------------
     def mass_request(
@@ -61,7 +70,8 @@ class EvictionTracker:
             if self.config.policy == "snapkv":
                 first = max(0, c.request.num_tokens - self.config.snapkv_window - c.start)
             rows.append(slice(first, c.num_tokens) if first < c.num_tokens else None)
-        return AttentionMassRequest(decodes=bool(decodes), prefill_rows=rows)
+        bs = self.block_size if self.config.policy == "h2o" and self.kv.enable_caching else 0
+        return AttentionMassRequest(decodes=bool(decodes), prefill_rows=rows, block_size=bs)
 
     def collect(
         self, mass: AttentionMassRequest | None, chunks: list[ScheduledChunk], decodes: list[int], prefills: list[int]
@@ -73,18 +83,54 @@ class EvictionTracker:
             if mass.decode_mass is not None:
                 self._add(chunks[i], mass.decode_mass[j])
         for j, i in enumerate(prefills):
+            if mass.prefill_block_mass and mass.prefill_block_mass[j] is not None:
+                self._record_blocks(chunks[i], mass.prefill_block_mass[j])
+        for j, i in enumerate(prefills):
             if mass.prefill_mass and mass.prefill_mass[j] is not None:
                 self._add(chunks[i], mass.prefill_mass[j])
+        if len(self.block_mass) > 2 * self.kv.pool.num_blocks:
+            cached = self.kv.pool.cached
+            self.block_mass = {h: m for h, m in self.block_mass.items() if h in cached}
+
+    def _record_blocks(self, chunk: ScheduledChunk, by_block: torch.Tensor) -> None:
+        """Keep each completed prompt block's query mass under its hash (h2o with prefix caching)."""
+        req = chunk.request
+        if req.num_evicted_tokens:
+            return
+        bs, rid = self.block_size, req.request_id
+        pending = self.pending.setdefault(rid, {})
+        first = chunk.start // bs
+        for r in range(by_block.shape[0]):
+            j = first + r
+            row = by_block[r, : j + 1].float().cpu()
+            pending[j] = row if j not in pending else pending[j] + row
+        hashes = self.kv.hashes.get(rid, [])
+        end = chunk.start + chunk.num_tokens
+        for j in [j for j in pending if (j + 1) * bs <= end]:
+            row = pending.pop(j)
+            if j < len(hashes):
+                self.block_mass.setdefault(hashes[j], row)
 
     def _add(self, chunk: ScheduledChunk, mass: torch.Tensor) -> None:
         req = chunk.request
         length = chunk.start + chunk.num_tokens - req.num_evicted_tokens  # cache length after this chunk
+        if req.request_id not in self.scores and chunk.start and self.kv.hit_filter is not None:
+            self._scores_from_hits(req, chunk.start // self.block_size)
         scores = self._scores(req.request_id, length)
         scores += mass[:length].float().cpu()
         for child in chunk.forks:
             self.scores[child.request_id] = scores.clone()
             if req.request_id in self.kept:
                 self.kept[child.request_id] = list(self.kept[req.request_id])
+
+    def _scores_from_hits(self, req: Request, num_hit_blocks: int) -> None:
+        """Prompt scores of prefix-cache hits, from their recorded query mass (each block's sum is put on
+        its first token: only block sums are ever ranked)."""
+        scores = self._scores(req.request_id, num_hit_blocks * self.block_size)
+        hashes = self.kv.hashes[req.request_id]
+        for j in range(num_hit_blocks):
+            row = self.block_mass[hashes[j]]
+            scores[0 : (j + 1) * self.block_size : self.block_size] += row
 
     def _scores(self, request_id: str, length: int) -> torch.Tensor:
         s = self.scores.get(request_id)
@@ -126,6 +172,7 @@ class EvictionTracker:
     def release(self, request_id: str) -> None:
         """Forget a finished, aborted or preempted sequence's scores."""
         self.scores.pop(request_id, None)
+        self.pending.pop(request_id, None)
         self.kept.pop(request_id, None)
         self.voted.discard(request_id)
 

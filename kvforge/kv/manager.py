@@ -8,6 +8,7 @@ index. Pure Python.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from kvforge.engine.request import Request
 from kvforge.kv.blocks import BlockPool, KVBlock
@@ -72,6 +73,11 @@ class KVCacheManager:
         self.num_published: dict[str, int] = {}
         self.stats = PrefixCacheStats()
         self.num_cow_copies = 0  # blocks copied because a forked sample wrote into a shared partial block
+        # KV eviction's scores need some queries recomputed (kv_eviction.py): the last tokens a hit leaves
+        # to compute (SnapKV's observation window; 1 = the last token, whose logits are needed) and which
+        # cached blocks may be hit at all (H2O: those whose prompt scores were recorded).
+        self.min_recompute_tokens = 1
+        self.hit_filter: Callable[[KVBlock], bool] | None = None
 
     @property
     def enable_caching(self) -> bool:
@@ -117,8 +123,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         hits: list[KVBlock] = []
-        for block in self.cached_blocks(req, (req.num_tokens - 1) // self.block_size, stop_at_miss=True):
+        limit = max(0, (req.num_tokens - self.min_recompute_tokens) // self.block_size)
+        for block in self.cached_blocks(req, limit, stop_at_miss=True):
             assert block is not None
+            if self.hit_filter is not None and not self.hit_filter(block):
+                break
             hits.append(block)
         return hits, len(hits) * self.block_size
 
