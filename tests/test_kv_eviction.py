@@ -293,3 +293,26 @@ def test_random_schedules_no_leak_no_shared_write(tiny_model_factory, data, poli
         if steps % 7 == 0 and engine.scheduler.running and data.draw(st.booleans()):
             engine.abort_request(engine.scheduler.running[0].group_id)
     assert_no_leaks(engine)
+
+
+# ---- ledger and plan --------------------------------------------------------------------------------
+def test_plan_kv_budget_shows_sequences_with_and_without_eviction(capsys):
+    from kvforge.cli import main
+
+    code = main(["plan", "--gpu-memory", "4GiB", "--max-model-len", "8192", "--avg-seq-len", "2048",
+                 "--kv-budget", "256", "--json"])
+    cap = __import__("json").loads(capsys.readouterr().out)["configs"][0]["capacity"]
+    assert code == 0
+    assert cap["concurrency_at_avg"] == cap["num_blocks"] // (2048 // 16)
+    assert cap["evicting_at_avg"] == cap["num_blocks"] // (256 // 16 + 1)  # budget's blocks + the tail
+    with pytest.raises(SystemExit) as exc:  # argparse: usage error, exit code 2
+        main(["plan", "--kv-budget", "0"])
+    assert exc.value.code == 2
+
+
+def test_startup_ledger_reports_eviction_capacity(tiny_model_factory):
+    path, _ = tiny_model_factory("llama_gqa")
+    report = _llm(path, kv_eviction="h2o", kv_budget=48, max_model_len=256).engine.report
+    text = report.render()
+    assert "kv eviction" in text and "budget 48 tokens" in text
+    assert report.max_concurrency_evicting == 120 / (48 // BS + 1) and report.max_concurrency == 120 / (256 // BS)

@@ -16,6 +16,7 @@ from kvforge.ledger import (
     KVCacheFormat,
     KVGroup,
     blocks_per_sequence,
+    blocks_per_sequence_evicting,
     format_bytes,
     kv_bytes_for_groups,
     kv_bytes_per_block,
@@ -42,6 +43,13 @@ class StartupReport:
     groups: list[KVGroup] = field(default_factory=list)  # hybrid models: one pool per group, full attention first
     attention: str = ""  # the attention backend in use, fallbacks named
     linear: str = ""  # how linear layers run (oneDNN packing on CPU)
+    kv_eviction: str = "none"
+    kv_budget: int | None = None
+
+    @property
+    def max_concurrency_evicting(self) -> float:
+        """Sequences of max_model_len that fit at once under KV eviction, once their prompts are cut."""
+        return self.num_blocks / blocks_per_sequence_evicting(self.max_model_len, self.block_size, self.kv_budget)
 
     @property
     def token_capacity(self) -> int:
@@ -65,6 +73,10 @@ class StartupReport:
             *self._group_rows(),
             ("kv capacity", f"{self.token_capacity} tokens"),
             ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
+            *((("kv eviction", f"{self.kv_eviction}, budget {self.kv_budget} tokens per sequence -> "
+                                f"{self.max_concurrency_evicting:.2f} full-length sequences at once "
+                                f"(without: {self.max_concurrency:.2f}; prompts are held whole while prefilling)"),)
+              if self.kv_budget is not None else ()),
             ("scheduler", f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"),
             *((("attention", self.attention),) if self.attention else ()),
             *((("linear layers", self.linear),) if self.linear else ()),
@@ -129,6 +141,8 @@ def build_startup_report(
         groups=list(groups),
         attention=describe_backend(getattr(args, "attention_backend", "auto"), device.type),
         linear=_describe_linear(model),
+        kv_eviction=getattr(args, "kv_eviction", "none"),
+        kv_budget=getattr(args, "kv_budget", None),
     )
 
 
