@@ -316,3 +316,26 @@ def test_startup_ledger_reports_eviction_capacity(tiny_model_factory):
     text = report.render()
     assert "kv eviction" in text and "budget 48 tokens" in text
     assert report.max_concurrency_evicting == 120 / (48 // BS + 1) and report.max_concurrency == 120 / (256 // BS)
+
+
+# ---- kvforge eval kv-evict ----------------------------------------------------------------------------
+def test_eval_kv_evict_end_to_end(tiny_model_factory, capsys, tmp_path):
+    from kvforge.cli import main
+
+    path, _ = tiny_model_factory("llama_gqa")
+    rc = main(["eval", "kv-evict", "--model", path, "--block-size", "4", "--budgets", "25%,1000", "--ppl-tokens", "96",
+               "--stream-chunk", "16", "--num-prompts", "2", "--prompt-tokens", "64", "--gen-tokens", "6",
+               "--passkey-prompts", "2", "--passkey-tokens", "120", "--kv-recent-tokens", "4", "--json",
+               "--plot", str(tmp_path / "evict.png")])
+    assert rc == 0
+    rows = __import__("json").loads(capsys.readouterr().out)["rows"]
+    assert [(r["policy"], r["budget"]) for r in rows] == [("full cache", "100%")] + [
+        (p, b) for p in POLICIES for b in ("25%", "1000")]
+    full = rows[0]
+    for r in rows[1:]:
+        assert not r["notes"] and r["passkey_total"] == 2
+        if r["budget"] == "1000":  # the budget holds everything: the full cache's figures exactly
+            assert r["perplexity"] == pytest.approx(full["perplexity"], rel=1e-5)
+            assert r["step_agreement"] == 1.0 and r["same_prefix"] == 1.0 and r["passkey"] == full["passkey"]
+    assert any(r["step_agreement"] < 1.0 or r["perplexity"] != full["perplexity"] for r in rows if r["budget"] == "25%")
+    assert (tmp_path / "evict.png").exists()

@@ -146,6 +146,11 @@ class EvictionTracker:
         """Cut `req` to its budget once it has computed every known token; returns blocks evicted."""
         if req.kv_budget is None or req.is_finished or req.num_computed_tokens < req.num_tokens - 1:
             return 0
+        return self.cut(req)
+
+    def cut(self, req: Request) -> int:
+        """Evict `req`'s full blocks beyond its budget by the policy's rule now; returns how many."""
+        assert req.kv_budget is not None
         bs, cfg = self.block_size, self.config
         length = req.num_cached_kv_tokens
         num_full = length // bs

@@ -158,7 +158,19 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, req: Request) -> torch.Tensor:
         """Logits [T, V] for every token of `req`, whose blocks are already allocated (scoring/perplexity)."""
-        chunk = ScheduledChunk(req, 0, req.num_tokens)
+        return self.chunk_logits(ScheduledChunk(req, 0, req.num_tokens))
+
+    @torch.inference_mode()
+    def chunk_logits(self, chunk: ScheduledChunk, scored: bool = False) -> torch.Tensor:
+        """Logits [n, V] for every token of one allocated chunk; `scored`: feed KV eviction's scores too
+        (`kvforge eval kv-evict` streams text through the cache this way)."""
         input_ids, positions, meta, _ = self.prepare([chunk])
+        mass = None
+        if scored and self.eviction is not None:
+            single = ([], [0]) if chunk.num_tokens > 1 else ([0], [])
+            mass = self.eviction.mass_request([chunk], *single)
+            meta.attention_mass = mass  # type: ignore[union-attr]
         hidden = self.model(input_ids, positions, self.caches, meta)
+        if mass is not None:
+            self.eviction.collect(mass, [chunk], *single)
         return self.model.compute_logits(hidden).cpu()
