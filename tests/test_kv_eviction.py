@@ -339,3 +339,27 @@ def test_eval_kv_evict_end_to_end(tiny_model_factory, capsys, tmp_path):
             assert r["step_agreement"] == 1.0 and r["same_prefix"] == 1.0 and r["passkey"] == full["passkey"]
     assert any(r["step_agreement"] < 1.0 or r["perplexity"] != full["perplexity"] for r in rows if r["budget"] == "25%")
     assert (tmp_path / "evict.png").exists()
+
+
+# ---- server ---------------------------------------------------------------------------------------
+def test_server_per_request_budget_errors_and_metrics(tmp_path_factory):
+    import httpx
+
+    from server_fixtures import MODEL_NAME, parse_metrics, start_server, tiny_model_dir, wait_idle_and_check_blocks
+
+    srv = start_server(tiny_model_dir(tmp_path_factory), block_size=4, kv_eviction="h2o", kv_budget=24,
+                       kv_recent_tokens=4)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            body = {"model": MODEL_NAME, "prompt": "x" * 60, "max_tokens": 8, "ignore_eos": True, "kv_budget": 16}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            for bad in (3, "many", 0):
+                r = http.post("/v1/completions", json={**body, "kv_budget": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "kv_budget", r.text
+            metrics = parse_metrics(http.get("/metrics").text)
+            label = f'{{model_name="{MODEL_NAME}"}}'
+            tokens, blocks = metrics["kvforge_kv_evicted_tokens_total" + label], metrics["kvforge_kv_evicted_blocks_total" + label]
+            assert tokens >= 60 - 16 - 4 and blocks * 4 == tokens
+        wait_idle_and_check_blocks(srv)
+    finally:
+        srv.stop()

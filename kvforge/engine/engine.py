@@ -39,6 +39,8 @@ class EngineCounters:
     num_steps: int = 0
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
+    num_evicted_tokens: int = 0  # KV eviction, all requests
+    num_evicted_blocks: int = 0
 
 
 class LLMEngine:
@@ -193,7 +195,9 @@ class LLMEngine:
             for req in sched_out.preempted:  # recompute starts over: scores go with the blocks
                 self.eviction.release(req.request_id)
             for req in advanced:  # caught up with its tokens: cut to the budget (the prompt once, then a block at a time)
-                self.eviction.enforce(req)
+                evicted = self.eviction.enforce(req)
+                self.counters.num_evicted_blocks += evicted
+                self.counters.num_evicted_tokens += evicted * self.kv.block_size
         self.counters.num_generation_tokens += len(advanced)
         completions = []
         for req in advanced:

@@ -85,7 +85,7 @@ def check_budget(budget: object, cfg: EvictionConfig, block_size: int, field: st
     need = cfg.sink_blocks(block_size) + max(1, cfg.recent_blocks(block_size) if cfg.policy != "streaming" else 1)
     if blocks < need:
         raise ValueError(
-            f"{field}={budget} keeps {blocks} full blocks of {block_size} tokens, fewer than the "
+            f"{field}: {budget} tokens keep {blocks} full blocks of {block_size} tokens, fewer than the "
             f"{need} the sinks ({cfg.sink_tokens} tokens) and the recent window need"
         )
     return blocks

@@ -227,4 +227,6 @@ class AsyncEngine:
             "generation_tokens": e.counters.num_generation_tokens,
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
+            "evicted_tokens": e.counters.num_evicted_tokens,
+            "evicted_blocks": e.counters.num_evicted_blocks,
         }

@@ -54,6 +54,8 @@ GAUGES = [
     ("kvforge_generation_tokens_total", "vllm:generation_tokens_total", "counter", "Tokens generated.", "generation_tokens"),
     ("kvforge_prefix_cache_queries_total", "vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.", "prefix_queries"),
     ("kvforge_prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.", "prefix_hits"),
+    ("kvforge_kv_evicted_tokens_total", None, "counter", "Tokens KV eviction dropped from sequences' caches.", "evicted_tokens"),
+    ("kvforge_kv_evicted_blocks_total", None, "counter", "Block references KV eviction released to the pool.", "evicted_blocks"),
 ]
 HISTOGRAMS = [
     ("kvforge_time_to_first_token_seconds", "vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.", "ttft"),

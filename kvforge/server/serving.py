@@ -87,7 +87,8 @@ class OpenAIServing:
         try:
             return await self.engine.submit(subs)
         except ValueError as exc:  # the engine's own prompt checks (e.g. token ids out of range)
-            raise APIError(str(exc), param="messages" if req.kind == "chat" else "prompt") from exc
+            param = "messages" if req.kind == "chat" else "prompt"
+            raise APIError(str(exc), param="kv_budget" if str(exc).startswith("kv_budget") else param) from exc
         except EngineDeadError as exc:
             raise APIError(str(exc), status=503, type="server_error", code="engine_unavailable") from exc
 
