@@ -6,14 +6,27 @@ allowed range. Pure Python (no torch): the planner and scheduler use it too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvforge.ledger import KVCacheFormat, KVShape, parse_bytes
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+if TYPE_CHECKING:
+    import torch
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # model (compute) dtypes
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # "fp8" is an alias of fp8_e4m3
 KV_CACHE_SCALES = ("token", "head", "channel", "tensor")  # channel: K only, V falls back to token
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a model dtype name. torch is imported here, on call, so config stays torch-free."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {name!r}")
+    return dtypes[name]
 
 
 @dataclass(slots=True)
@@ -102,7 +115,7 @@ class ModelConfig:
         With one block table for every layer a block is dead only when no layer can see it:
         that needs every layer windowed (the widest window decides), as in
         `ledger.kv_cache_groups`. Hybrid local/global models (Gemma 2/3) get one table per
-        window group instead (`kvforge.kv.hybrid`), so None here.
+        window group instead (`kvforge.kv.coordinator`), so None here.
         """
         if not self.sliding_windows or any(w is None for w in self.sliding_windows):
             return None

@@ -241,8 +241,9 @@ def max_concurrency(
         n = num_blocks_for_memory(memory_bytes, shape, block_size, fmt)
         split = split_kv_blocks(shape, fmt, block_size, n, max_num_seqs, max_num_batched_tokens)
         return split[0].num_blocks // blocks_per_sequence(seq_len, block_size)
-    if not shape.sliding_windows:  # the block pool's own arithmetic, so the numbers agree exactly
-        return num_blocks_for_memory(memory_bytes, shape, block_size, fmt) // blocks_per_sequence(seq_len, block_size)
+    if not shape.sliding_windows:  # the block pool's own arithmetic (less its null block), so the numbers agree
+        usable = num_blocks_for_memory(memory_bytes, shape, block_size, fmt) - NULL_BLOCKS_PER_GROUP
+        return max(0, usable) // blocks_per_sequence(seq_len, block_size)
     return int(memory_bytes // kv_bytes_for_sequence_paged(shape, seq_len, fmt, block_size))
 
 
@@ -259,6 +260,11 @@ class KVGroup:
     window: int | None
     layers: tuple[int, ...]
     num_blocks: int = 0
+
+
+# Each KV cache group's pool reserves one block (the null block, `kv/blocks.py`) that block tables point
+# to where a block was given back mid-request; it is a real row of the cache tensors.
+NULL_BLOCKS_PER_GROUP = 1
 
 
 def kv_cache_groups(shape: KVShape) -> list[KVGroup]:
@@ -279,7 +285,7 @@ def kv_cache_groups(shape: KVShape) -> list[KVGroup]:
 def window_block_reservation(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """The most blocks `max_num_seqs` sequences can hold at once in a group windowed at `window` tokens.
 
-    The freeing rule (`KVCacheManager._free_blocks_outside_window`, applied to every running request
+    The freeing rule (`GroupManager.release_out_of_window`, applied to every running request
     before each step's allocations) leaves a sequence with c computed tokens the blocks from
     (c - window) // B on. Scheduled for n new tokens it holds at most ceil((window + n) / B) + 1 blocks
     (the +1: c - window need not be block-aligned), <= ceil(window / B) + ceil(n / B) + 1; an
@@ -293,32 +299,35 @@ def split_kv_blocks(
     shape: KVShape, fmt: KVCacheFormat | str, block_size: int, num_blocks: int,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> list[KVGroup]:
-    """Per-group block counts for the memory of `num_blocks` single-table blocks (the engine's pool sizes).
+    """Per-group usable block counts for the memory of `num_blocks` single-table blocks (the engine's pools).
 
-    A windowed group gets min(num_blocks, its reservation): it can never need more. Every layer's block
-    costs the same bytes, so the layer-blocks the windowed groups do not take go to the full-attention
-    group; capacity is never below the single-table design's and the total never above its bytes.
+    Each group's pool also has one reserved null block (`NULL_BLOCKS_PER_GROUP` rows per layer), taken
+    from the same memory: a plain model gets `num_blocks - 1` usable blocks. A windowed group gets
+    min(usable, its reservation): it can never need more. Every layer's block costs the same bytes, so
+    the layer-blocks the windowed groups do not take go to the full-attention group; capacity is never
+    below the single-table design's and the total never above its bytes.
     """
     groups = kv_cache_groups(shape)
+    usable = num_blocks - NULL_BLOCKS_PER_GROUP
     if len(groups) == 1:
-        return [KVGroup(groups[0].window, groups[0].layers, num_blocks)]
+        return [KVGroup(groups[0].window, groups[0].layers, usable)]
     full, *windowed = groups
     spare = 0  # layer-blocks given up by the windowed groups
     out = []
     for g in windowed:
         assert g.window is not None
-        n = min(num_blocks, window_block_reservation(g.window, block_size, max_num_seqs, max_num_batched_tokens))
-        spare += (num_blocks - n) * len(g.layers)
+        n = min(usable, window_block_reservation(g.window, block_size, max_num_seqs, max_num_batched_tokens))
+        spare += (usable - n) * len(g.layers)
         out.append(KVGroup(g.window, g.layers, n))
-    return [KVGroup(None, full.layers, num_blocks + spare // len(full.layers)), *out]
+    return [KVGroup(None, full.layers, usable + spare // len(full.layers)), *out]
 
 
 def kv_bytes_for_groups(shape: KVShape, groups: list[KVGroup], block_size: int, fmt: KVCacheFormat | str = "float16") -> int:
-    """Bytes the per-group caches allocate: each layer holds its group's blocks."""
+    """Bytes the per-group caches allocate: each layer holds its group's blocks and its null block."""
     if isinstance(fmt, str):
         fmt = KVCacheFormat.uniform(fmt)
     layer_block = _layer_block_bytes(shape, fmt, block_size)
-    return int(math.ceil(sum(len(g.layers) * g.num_blocks * layer_block for g in groups)))
+    return int(math.ceil(sum(len(g.layers) * (g.num_blocks + NULL_BLOCKS_PER_GROUP) * layer_block for g in groups)))
 
 
 

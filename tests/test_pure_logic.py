@@ -4,7 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ["kvforge.ledger", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.manager", "kvforge.kv.hybrid",
+PURE = ["kvforge.ledger", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.interface", "kvforge.kv.stats",
+        "kvforge.kv.group_manager", "kvforge.kv.coordinator",
         "kvforge.kv.explain", "kvforge.engine.scheduler", "kvforge.engine.request", "kvforge.engine.sampling_params"]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvforge.config import ModelConfig, SchedulerConfig
+from kvforge.config import ModelConfig, SchedulerConfig, torch_dtype
 from kvforge.engine.args import EngineArgs
 from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
 from kvforge.engine.model_runner import ModelRunner
@@ -23,10 +23,10 @@ from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
 from kvforge.engine.startup_report import StartupReport, build_startup_report
-from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
-from kvforge.kv.calibration import calibrate_static_scales
+from kvforge.engine.calibration import calibrate_static_scales
+from kvforge.kv.cache_factory import make_layer_caches
+from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.kv.eviction import check_budget
-from kvforge.kv.hybrid import make_kv_manager
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
@@ -55,7 +55,7 @@ class LLMEngine:
         model = build_model(self.model_config)
         model.load_weights(checkpoint.weights)
         del checkpoint
-        self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
+        self.model = model.to(dtype=torch_dtype(args.dtype), device=self.device).eval()
         pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
         self._init_cache_and_scheduler()
 
@@ -67,28 +67,32 @@ class LLMEngine:
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
             cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
         )
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes holds no block of this model's KV cache")
         max_model_len = args.max_model_len or cfg.max_position_embeddings
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
-        # hybrid local/global models: one pool per window group in the memory of `num_blocks` shared blocks
+        # One pool per KV cache group (a plain model: one) in the memory of `num_blocks` single-table
+        # blocks, each pool's null block included.
         groups = split_kv_blocks(shape, self.cache_format, cache_cfg.block_size, num_blocks,
                                  args.max_num_seqs, args.max_num_batched_tokens)
-        self.kv = make_kv_manager(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+        if min(g.num_blocks for g in groups) < 1:
+            what = (f"num_kv_blocks={num_blocks}" if cache_cfg.num_kv_blocks
+                    else f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes")
+            raise ValueError(f"{what} holds no usable block of this model's KV cache (each pool reserves a null block)")
+        self.kv = KVCacheCoordinator(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        layer_groups = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        layer_groups = [group_of[i] for i in range(cfg.num_layers)]
         caches = make_layer_caches(
-            cfg, self.cache_format, [groups[layer_groups[i]].num_blocks for i in range(cfg.num_layers)],
-            cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
+            cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
+            cache_cfg.block_size, self.device, torch_dtype(args.dtype),
         )
-        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend,
-                                  [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None)
+        self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, args.seed,
+                                  args.attention_backend)
         self.eviction_config = args.eviction_config()
         self.eviction: EvictionTracker | None = None
         if self.eviction_config.enabled:
             check_eviction_supported(cfg, len(groups))
-            self.eviction = self.runner.eviction = EvictionTracker(self.eviction_config, self.kv)  # type: ignore[arg-type]
+            self.eviction = self.runner.eviction = EvictionTracker(self.eviction_config, self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
@@ -227,7 +231,7 @@ class LLMEngine:
         if self.kv.allocate_slots(req, len(token_ids)) is None:
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
-            return self.runner.prompt_logits(req)
+            return self.runner.prompt_logits(req, self.kv.block_ids(req.request_id))
         finally:
             self.kv.free(req)
 

@@ -4,7 +4,7 @@
 tells the attention layers which query rows to score (`AttentionMassRequest`), adds the per-token mass
 they report to each sequence's running scores, and after the scheduler's update cuts every sequence
 that has computed all its known tokens down to `budget // block_size` full blocks plus its tail
-(`KVCacheManager.evict`). Scores live in cache coordinates and are compacted with the table.
+(`KVCacheCoordinator.compact_blocks`). Scores live in cache coordinates and are compacted with the table.
 
 Preemption drops a sequence's scores with its blocks: recompute prefills the prompt and the tokens
 generated so far as one new prompt, with the full KV, then cuts it once by the policy's prompt-end rule
@@ -22,7 +22,8 @@ from kvforge.config import ModelConfig
 from kvforge.engine.request import Request
 from kvforge.engine.scheduler import ScheduledChunk
 from kvforge.kv.eviction import EvictionConfig, blocks_to_keep
-from kvforge.kv.manager import KVCacheManager
+from kvforge.kv.blocks import KVBlock
+from kvforge.kv.coordinator import KVCacheCoordinator
 
 
 def check_eviction_supported(cfg: ModelConfig, num_groups: int) -> None:
@@ -38,7 +39,7 @@ def check_eviction_supported(cfg: ModelConfig, num_groups: int) -> None:
 
 
 class EvictionTracker:
-    def __init__(self, config: EvictionConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EvictionConfig, kv: KVCacheCoordinator) -> None:
         self.config = config
         self.kv = kv
         self.block_size = kv.block_size
@@ -50,10 +51,24 @@ class EvictionTracker:
         # queries. Only blocks with a record may be hit; records of blocks the pool forgot are pruned.
         self.block_mass: dict[object, torch.Tensor] = {}
         self.pending: dict[str, dict[int, torch.Tensor]] = {}  # request id -> query block -> partial record
-        if config.policy == "snapkv":
-            kv.min_recompute_tokens = config.snapkv_window  # the voters are always computed, never hit
-        elif config.policy == "h2o":
-            kv.hit_filter = lambda block: block.block_hash in self.block_mass
+        if config.needs_scores:
+            kv.hit_limit = self.usable_hits  # type: ignore[assignment]
+
+    # ---- prefix hits ------------------------------------------------------------------------
+    def usable_hits(self, req: Request, blocks: list[KVBlock]) -> int:
+        """How many cached head blocks a request may hit without changing what it will keep.
+
+        SnapKV's voters (the last `snapkv_window` tokens) are always computed; H2O hits only blocks
+        whose prompt-query mass was recorded. A request that can never exceed its budget hits freely.
+        """
+        max_tokens = req.sampling_params.max_tokens
+        if req.kv_budget is None or (
+            max_tokens is not None and (req.num_tokens + max_tokens) // self.block_size <= req.kv_budget // self.block_size
+        ):
+            return len(blocks)
+        if self.config.policy == "snapkv":
+            return min(len(blocks), max(0, req.num_tokens - self.config.snapkv_window) // self.block_size)
+        return next((i for i, b in enumerate(blocks) if b.block_hash not in self.block_mass), len(blocks))
 
     # ---- scores -----------------------------------------------------------------------------
     def mass_request(
@@ -89,7 +104,7 @@ class EvictionTracker:
             if mass.prefill_mass and mass.prefill_mass[j] is not None:
                 self._add(chunks[i], mass.prefill_mass[j])
         if len(self.block_mass) > 2 * self.kv.pool.num_blocks:
-            cached = self.kv.pool.cached
+            cached = self.kv.pools[0].cached
             self.block_mass = {h: m for h, m in self.block_mass.items() if h in cached}
 
     def _record_blocks(self, chunk: ScheduledChunk, by_block: torch.Tensor) -> None:
@@ -104,7 +119,7 @@ class EvictionTracker:
             j = first + r
             row = by_block[r, : j + 1].float().cpu()
             pending[j] = row if j not in pending else pending[j] + row
-        hashes = self.kv.hashes.get(rid, [])
+        hashes = req.block_hashes
         end = chunk.start + chunk.num_tokens
         for j in [j for j in pending if (j + 1) * bs <= end]:
             row = pending.pop(j)
@@ -114,7 +129,7 @@ class EvictionTracker:
     def _add(self, chunk: ScheduledChunk, mass: torch.Tensor) -> None:
         req = chunk.request
         length = chunk.start + chunk.num_tokens - req.num_evicted_tokens  # cache length after this chunk
-        if req.request_id not in self.scores and chunk.start and self.kv.hit_filter is not None:
+        if req.request_id not in self.scores and chunk.start and self.config.policy == "h2o":
             self._scores_from_hits(req, chunk.start // self.block_size)
         scores = self._scores(req.request_id, length)
         scores += mass[:length].float().cpu()
@@ -127,10 +142,11 @@ class EvictionTracker:
         """Prompt scores of prefix-cache hits, from their recorded query mass (each block's sum is put on
         its first token: only block sums are ever ranked)."""
         scores = self._scores(req.request_id, num_hit_blocks * self.block_size)
-        hashes = self.kv.hashes[req.request_id]
+        hashes = req.block_hashes
         for j in range(num_hit_blocks):
-            row = self.block_mass[hashes[j]]
-            scores[0 : (j + 1) * self.block_size : self.block_size] += row
+            row = self.block_mass.get(hashes[j])  # missing only for a request that never exceeds its budget
+            if row is not None:
+                scores[0 : (j + 1) * self.block_size : self.block_size] += row
 
     def _scores(self, request_id: str, length: int) -> torch.Tensor:
         s = self.scores.get(request_id)
@@ -167,7 +183,10 @@ class EvictionTracker:
         keep = blocks_to_keep(cfg.policy, num_full, budget_blocks, cfg.sink_blocks(bs), cfg.recent_blocks(bs),
                               block_scores)
         logical = self.logical_blocks(req)
-        evicted = self.kv.evict(req, keep)
+        evicted = self.kv.compact_blocks(req, keep)
+        req.num_evicted_tokens += evicted * bs
+        req.evicted_tokens_total += evicted * bs
+        req.evicted_blocks_total += evicted
         self.kept[req.request_id] = [logical[i] for i in keep]
         if scores is not None:
             idx = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in keep] + [torch.arange(num_full * bs, length)])
@@ -188,7 +207,7 @@ class EvictionTracker:
         """
         kept = self.kept.get(req.request_id, [])
         shift = req.num_evicted_tokens // self.block_size
-        n = len(self.kv.tables.get(req.request_id, ()))
+        n = len(self.kv.block_ids(req.request_id)[0])
         return kept[:n] + [t + shift for t in range(len(kept), n)]
 
     def kept_positions(self, req: Request) -> list[int]:

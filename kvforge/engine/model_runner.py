@@ -4,6 +4,10 @@ Holds the model and its per-layer paged caches. Builds input ids, positions,
 slot mapping and block tables (decode rows first, then prefill chunks),
 applies copy-on-write block copies, runs the forward pass, and samples the
 chunks that reach the end of their known tokens.
+
+Everything it knows about the KV cache arrives in the `SchedulerOutput`: block
+ids per KV cache group on each chunk, copies per group. It never calls the KV
+coordinator, so it can run in another process (a tensor-parallel rank).
 """
 from __future__ import annotations
 
@@ -15,20 +19,18 @@ from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult, sample
 from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvforge.kv.cache_tensors import LayerKVCache
-from kvforge.kv.hybrid import HybridKVCacheManager
-from kvforge.kv.manager import KVCacheManager
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, caches: list[LayerKVCache], kv: KVCacheManager | HybridKVCacheManager,
-        device: torch.device, seed: int = 0, attention_backend: str = "auto", layer_groups: list[int] | None = None,
+        self, model: torch.nn.Module, caches: list[LayerKVCache], layer_groups: list[int], block_size: int,
+        device: torch.device, seed: int = 0, attention_backend: str = "auto",
     ) -> None:
-        self.model, self.caches, self.kv = model, caches, kv
-        # KV cache group of each layer (hybrid local/global models); None: one table for every layer
-        self.layer_groups = layer_groups
+        self.model, self.caches = model, caches
+        self.layer_groups = layer_groups  # KV cache group of each layer (all 0 for a plain model)
+        self.num_groups = max(layer_groups) + 1
         self.attention_backend = attention_backend
-        self.block_size = kv.block_size
+        self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
         self.eviction: EvictionTracker | None = None  # set by the engine when KV eviction is on
@@ -54,12 +56,12 @@ class ModelRunner:
             c = chunks[i]
             ids.extend(c.request.all_token_ids[c.start : c.start + c.num_tokens])
             positions.append(torch.arange(c.start, c.start + c.num_tokens))
-        tables = [self.kv.group_block_tables(c.request.request_id) for c in chunks]
         # cache coordinates: a sequence that evicted holds fewer tokens than its true position (KV eviction)
         starts = [c.start - c.request.num_evicted_tokens for c in chunks]
-        metas = [self._metadata(chunks, starts, decodes, prefills, [t[g] for t in tables]) for g in range(len(tables[0]))]
+        metas = [self._metadata(chunks, starts, decodes, prefills, [c.block_ids[g] for c in chunks])
+                 for g in range(self.num_groups)]
         meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
-        if self.layer_groups is not None:
+        if self.num_groups > 1:
             meta = [metas[g] for g in self.layer_groups]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, torch.cat(positions).to(self.device), meta, decodes + prefills
@@ -103,10 +105,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        if out.block_copies:  # each group's copies go to that group's layers only
-            by_group = self.kv.copies_by_group(out.block_copies)
+        if out.block_loads:
+            raise NotImplementedError("this runner has no second-level KV tier to load blocks from")
+        if out.has_copies:  # each group's copies go to that group's layers only
             for layer, cache in enumerate(self.caches):
-                cache.copy_blocks(by_group[self.layer_groups[layer] if self.layer_groups else 0])
+                pairs = out.block_copies[self.layer_groups[layer]]
+                if pairs:
+                    cache.copy_blocks(pairs)
         if out.is_empty:
             return {}
         chunks = out.chunks
@@ -156,14 +161,14 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def prompt_logits(self, req: Request) -> torch.Tensor:
-        """Logits [T, V] for every token of `req`, whose blocks are already allocated (scoring/perplexity)."""
-        return self.chunk_logits(ScheduledChunk(req, 0, req.num_tokens))
+    def prompt_logits(self, req: Request, block_ids: list[list[int]]) -> torch.Tensor:
+        """Logits [T, V] for every token of `req`, whose blocks (`block_ids` per group) are allocated."""
+        return self.chunk_logits(ScheduledChunk(req, 0, req.num_tokens, block_ids=block_ids))
 
     @torch.inference_mode()
     def chunk_logits(self, chunk: ScheduledChunk, scored: bool = False) -> torch.Tensor:
-        """Logits [n, V] for every token of one allocated chunk; `scored`: feed KV eviction's scores too
-        (`kvforge eval kv-evict` streams text through the cache this way)."""
+        """Logits [n, V] for every token of one allocated chunk (`chunk.block_ids` set); `scored`: feed
+        KV eviction's scores too (`kvforge eval kv-evict` streams text through the cache this way)."""
         input_ids, positions, meta, _ = self.prepare([chunk])
         mass = None
         if scored and self.eviction is not None:

@@ -150,7 +150,8 @@ class KVEvictEval:
                 req.all_token_ids[:] = tokens[: start + n]
                 if eng.kv.allocate_slots(req, n) is None:
                     raise ValueError("the evaluation's KV pool is too small for its texts")
-                logits.append(eng.runner.chunk_logits(ScheduledChunk(req, start, n), scored=budget is not None))
+                sched = ScheduledChunk(req, start, n, block_ids=eng.kv.block_ids(req.request_id))
+                logits.append(eng.runner.chunk_logits(sched, scored=budget is not None))
                 req.num_computed_tokens = start + n
                 if budget is not None:
                     eng.eviction.cut(req)

@@ -27,7 +27,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.ledger import KVCacheFormat, kv_bytes_per_token, max_concurrency, num_blocks_for_memory
+from kvforge.ledger import (
+    NULL_BLOCKS_PER_GROUP,
+    KVCacheFormat,
+    kv_bytes_per_token,
+    max_concurrency,
+    num_blocks_for_memory,
+)
 
 DEFAULT_VARIANTS = (
     "auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3@tensor", "int8", "int8@head", "int8@channel",
@@ -180,7 +186,8 @@ class KVQuantEval:
         shape, bs = eng.model_config.kv_shape(), eng.kv.block_size
         row = RowResult(
             variant.spec, fmt.k_dtype, fmt.v_dtype, fmt.scale_granularity,
-            kv_bytes_per_token(shape, fmt, bs), num_blocks_for_memory(opts.capacity_memory, shape, bs, fmt),
+            kv_bytes_per_token(shape, fmt, bs),
+            num_blocks_for_memory(opts.capacity_memory, shape, bs, fmt) - NULL_BLOCKS_PER_GROUP,  # the pool's usable
             max_concurrency(opts.capacity_memory, shape, opts.capacity_seq_len, fmt, bs),
         )
         reference = not self.base_logp
