@@ -227,13 +227,14 @@ def test_n_samples_fork_then_evict(tiny_model_factory, policy):
 
 def test_per_request_budget_and_preemption_recompute(tiny_model_factory):
     """A tight pool preempts; recompute prefills prompt + outputs with the full KV, then cuts again.
-    Deterministic, no leak, and every request's own `kv_budget` holds."""
+    Deterministic and no leak; a per-request `kv_budget` below the sinks + recent window is refused."""
     path, _ = tiny_model_factory("llama_gqa")
     prompts = [PROMPT[i:] for i in range(0, 12, 2)]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, kv_budget=12 + 4 * (i % 3)) for i in range(6)]
     runs = []
     for _ in range(2):
-        llm = _llm(path, num_kv_blocks=24, kv_eviction="h2o", kv_budget=16, kv_recent_tokens=4)
+        llm = _llm(path, num_kv_blocks=24, max_num_batched_tokens=20, kv_eviction="h2o", kv_budget=16,
+                   kv_recent_tokens=4)  # chunked prompts hold blocks while others are admitted: preemption
         runs.append(_tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)))
         assert_no_leaks(llm.engine)
     assert runs[0] == runs[1]
