@@ -264,7 +264,7 @@ def test_random_schedules_no_leak_no_shared_write(tiny_model_factory, data, poli
     llm = _llm(path, num_kv_blocks=num_blocks, max_num_batched_tokens=chunk, kv_eviction=policy, kv_budget=12,
                kv_recent_tokens=4, max_num_seqs=4)
     engine = llm.engine
-    pool = engine.pool
+    pool = engine.kv.pools[0]
     prepare = engine.runner.prepare
 
     def checked_prepare(chunks):  # every slot this step writes lies in a block no other table holds
