@@ -24,7 +24,11 @@ ELEMENT_BYTES: dict[str, float] = {
     "int4": 0.5,
 }
 SCALE_BYTES = 4  # scales are stored as float32
-DEFAULT_MAX_NUM_SEQS = 64  # the engine's scheduler defaults (EngineArgs), which size hybrid models' group pools
+# The engine's defaults, written once here (the bottom of the import graph) and used by
+# kvforge.config's CacheConfig/SchedulerConfig (hence the CLI flags), the planner and the ledger's own
+# functions; the scheduler ones size hybrid models' group pools.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZED_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
 
@@ -102,7 +106,9 @@ class KVCacheFormat:
             )
 
     @classmethod
-    def uniform(cls, dtype: str, granularity: str | None = None, *, scale_granularity: str | None = None):
+    def uniform(
+        cls, dtype: str, granularity: str | None = None, *, scale_granularity: str | None = None
+    ) -> KVCacheFormat:
         """Same dtype for K and V; quantized dtypes default to per-token scales (`scale_granularity=` is an alias)."""
         granularity = granularity or scale_granularity
         if dtype in QUANTIZED_DTYPES and granularity is None:
@@ -146,7 +152,7 @@ def _layer_block_bytes(shape: KVShape, fmt: KVCacheFormat, block_size: int) -> F
 
 
 def kv_bytes_per_token_per_layer(
-    shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> float:
     """Bytes one token occupies in one layer's cache (scales included; per-block scales amortised)."""
     if isinstance(fmt, str):
@@ -154,7 +160,7 @@ def kv_bytes_per_token_per_layer(
     return float(_layer_block_bytes(shape, fmt, block_size) / block_size)
 
 
-def kv_bytes_per_token(shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16) -> float:
+def kv_bytes_per_token(shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """Bytes one token occupies across all layers (windowed layers counted in full)."""
     return shape.num_layers * kv_bytes_per_token_per_layer(shape, fmt, block_size)
 
@@ -169,7 +175,7 @@ def kv_bytes_per_block(shape: KVShape, block_size: int, fmt: KVCacheFormat | str
 
 
 def kv_bytes_for_sequence(
-    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> float:
     """Bytes a sequence of `seq_len` tokens holds; windowed layers hold at most their window."""
     if seq_len < 0:
@@ -203,7 +209,7 @@ def blocks_per_sequence_evicting(seq_len: int, block_size: int, budget_tokens: i
 
 
 def kv_bytes_for_sequence_paged(
-    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> int:
     """Bytes a sequence really pins in a paged pool: each layer's held tokens rounded up to whole blocks.
 
@@ -224,7 +230,7 @@ def kv_bytes_for_sequence_paged(
 
 
 def max_concurrency(
-    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16,
+    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> int:
     """How many sequences of `seq_len` tokens fit at once in `memory_bytes` of KV memory.
@@ -275,7 +281,8 @@ def kv_cache_groups(shape: KVShape) -> list[KVGroup]:
     """
     windows = [shape.window_of(i) for i in range(shape.num_layers)]
     if None not in windows:
-        return [KVGroup(max(windows), tuple(range(shape.num_layers)))]  # type: ignore[type-var]
+        widest = max(w for w in windows if w is not None)  # every entry is an int here (None was ruled out)
+        return [KVGroup(widest, tuple(range(shape.num_layers)))]
     if all(w is None for w in windows):
         return [KVGroup(None, tuple(range(shape.num_layers)))]
     keys = sorted(set(windows), key=lambda w: (w is not None, w or 0))

@@ -66,7 +66,7 @@ def test_table_and_plot(model_path, capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--formats", "int3"], "--formats"),
     (["--formats", "int8@block"], "scale must be one of"),
-    (["--num-prompts", "0"], "num_prompts"),
+    (["--num-prompts", "0"], "--num-prompts"),
     (["--contexts", "4000"], "max_model_len"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
 ])

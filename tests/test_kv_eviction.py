@@ -328,11 +328,12 @@ def test_eval_kv_evict_end_to_end(tiny_model_factory, capsys, tmp_path):
     rc = main(["eval", "kv-evict", "--model", path, "--block-size", "4", "--budgets", "25%,1000", "--ppl-tokens", "96",
                "--stream-chunk", "16", "--num-prompts", "2", "--prompt-tokens", "64", "--gen-tokens", "6",
                "--passkey-prompts", "2", "--passkey-tokens", "120", "--kv-recent-tokens", "4", "--json",
+               "--policies", "streaming,snapkv",  # h2o is snapkv's decode rule; two policies keep this test short
                "--plot", str(tmp_path / "evict.png")])
     assert rc == 0
     rows = __import__("json").loads(capsys.readouterr().out)["rows"]
     assert [(r["policy"], r["budget"]) for r in rows] == [("full cache", "100%")] + [
-        (p, b) for p in POLICIES for b in ("25%", "1000")]
+        (p, b) for p in ("streaming", "snapkv") for b in ("25%", "1000")]
     full = rows[0]
     for r in rows[1:]:
         assert not r["notes"] and r["passkey_total"] == 2

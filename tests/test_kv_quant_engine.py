@@ -182,4 +182,4 @@ def test_cache_dtype_options_resolve_and_validate():
     add_engine_cli_args(parser)
     args = engine_args_from_cli(parser.parse_args(
         ["--k-cache-dtype", "auto", "--v-cache-dtype", "fp8", "--kv-cache-scale", "tensor"]))
-    assert args.cache_config().cache_format("float32") == KVCacheFormat("float32", "fp8_e4m3", "tensor")
+    assert args.cache_config.cache_format("float32") == KVCacheFormat("float32", "fp8_e4m3", "tensor")

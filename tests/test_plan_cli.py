@@ -158,6 +158,6 @@ def test_malformed_and_incomplete_configs_exit_2(capsys, tmp_path):
 
 
 def test_planner_imports_no_torch_and_no_matplotlib():
-    code = ("import sys, kvforge.planner.cli, kvforge.planner.lints, kvforge.planner.prefix, kvforge.ledger; "
+    code = ("import sys, kvforge.commands.plan, kvforge.planner.lints, kvforge.planner.prefix, kvforge.ledger; "
             "bad = [m for m in ('torch', 'matplotlib') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

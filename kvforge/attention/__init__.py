@@ -17,8 +17,7 @@ from kvforge.attention.mass import accumulate_attention_mass
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.sdpa import paged_attention_sdpa
 from kvforge.attention.torch_ref import paged_attention as paged_attention_ref
-
-ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")
+from kvforge.config import ATTENTION_BACKENDS  # torch-free, so the CLI can list the choices
 
 
 def check_backend(name: str) -> None:

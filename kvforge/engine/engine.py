@@ -13,23 +13,33 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvforge.config import ModelConfig, SchedulerConfig, torch_dtype
-from kvforge.engine.args import EngineArgs
+from kvforge.config import ModelConfig, torch_dtype
+from kvforge.engine.args import EngineConfig
+from kvforge.engine.dtype_choice import resolve_dtype
 from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.request_check import RequestLimits, check_request
+from kvforge.engine.scheduler import Scheduler, SchedulerOutput
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.cache_factory import make_layer_caches
 from kvforge.kv.coordinator import KVCacheCoordinator
-from kvforge.kv.eviction import check_budget
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
+from kvforge.progress import StageProgress
+
+
+class StepFailed(RuntimeError):
+    """Running a step raised; `request_ids` are the caller requests scheduled in it (the cause is chained)."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"engine step failed for requests {request_ids}")
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -44,35 +54,44 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        from kvforge.models.loader import load_checkpoint
+    def __init__(self, config: EngineConfig) -> None:
+        from kvforge.models.loader import DEFAULT_MODEL_NAME, load_checkpoint
 
-        self.args = args
-        checkpoint = load_checkpoint(args.model)
-        self.tokenizer = checkpoint.tokenizer
-        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = build_model(self.model_config)
-        model.load_weights(checkpoint.weights)
-        del checkpoint
-        self.model = model.to(dtype=torch_dtype(args.dtype), device=self.device).eval()
-        pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+        self.config = config
+        opts = config.model_config
+        stages = ["reading weights", "building model", "packing linear layers"]
+        with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
+            checkpoint = load_checkpoint(opts.model)
+            p.next()
+            self.tokenizer = checkpoint.tokenizer
+            self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+            self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
+            self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
+            opts = config.model_config
+            model = build_model(self.model_config)
+            model.load_weights(checkpoint.weights)
+            del checkpoint
+            self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
+            p.next()
+            pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+            p.next()
         self._init_cache_and_scheduler()
 
     def _init_cache_and_scheduler(self) -> None:
-        args, cfg = self.args, self.model_config
-        cache_cfg = args.cache_config()
-        self.cache_format = cache_cfg.cache_format(args.dtype)
+        config, cfg = self.config, self.model_config
+        opts, cache_cfg, sched = config.model_config, config.cache_config, config.scheduler_config
+        self.cache_format = cache_cfg.cache_format(opts.dtype)
         shape = cfg.kv_shape()
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
             cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
         )
-        max_model_len = args.max_model_len or cfg.max_position_embeddings
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
+        max_model_len = sched.max_model_len or cfg.max_position_embeddings
+        self.scheduler_config = replace(sched, max_model_len=max_model_len)
         # One pool per KV cache group (a plain model: one) in the memory of `num_blocks` single-table
         # blocks, each pool's null block included.
         groups = split_kv_blocks(shape, self.cache_format, cache_cfg.block_size, num_blocks,
-                                 args.max_num_seqs, args.max_num_batched_tokens)
+                                 sched.max_num_seqs, sched.max_num_batched_tokens)
         if min(g.num_blocks for g in groups) < 1:
             what = (f"num_kv_blocks={num_blocks}" if cache_cfg.num_kv_blocks
                     else f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes")
@@ -84,32 +103,32 @@ class LLMEngine:
         layer_groups = [group_of[i] for i in range(cfg.num_layers)]
         caches = make_layer_caches(
             cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
-            cache_cfg.block_size, self.device, torch_dtype(args.dtype),
+            cache_cfg.block_size, self.device, torch_dtype(opts.dtype),
         )
-        self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, args.seed,
-                                  args.attention_backend)
-        self.eviction_config = args.eviction_config()
+        self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
+                                  opts.attention_backend)
         self.eviction: EvictionTracker | None = None
-        if self.eviction_config.enabled:
+        if config.eviction_config.enabled:
             check_eviction_supported(cfg, len(groups))
-            self.eviction = self.runner.eviction = EvictionTracker(self.eviction_config, self.kv)
+            self.eviction = self.runner.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
         self._ids = itertools.count()
         self.report: StartupReport = build_startup_report(
-            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, args
+            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
         )
-        if args.log_ledger:
+        self.report.dtype_reason = self.dtype_reason
+        if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
 
     def reconfigure_kv_cache(self, **changes: object) -> None:
-        """Rebuild pool, manager, scheduler and runner with changed EngineArgs (e.g. kv_cache_dtype), keeping the
+        """Rebuild pool, manager, scheduler and runner with changed engine options (e.g. kv_cache_dtype), keeping the
         loaded weights: how `kvforge eval kv-quant` compares cache formats without reloading the model."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot reconfigure the KV cache while requests are running")
-        self.args = replace(self.args, **changes)  # type: ignore[arg-type]
+        self.config = self.config.replace(**changes)
         self._init_cache_and_scheduler()
 
     # ---- requests -------------------------------------------------------------------------
@@ -129,11 +148,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        self.check_request(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.samples:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -141,22 +156,31 @@ class LLMEngine:
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
         req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n,
                       kv_budget=self._kv_budget(params))
-        self.scheduler.add_request(req)  # validates lengths and n
+        self.scheduler.add_request(req)
         self.outputs.add(req, prompt)
         self.samples[request_id] = [req]
         return request_id
 
     def _kv_budget(self, params: SamplingParams) -> int | None:
-        """The request's eviction budget: its own `kv_budget` or the engine's; None without eviction."""
-        cfg = self.eviction_config
+        """The request's eviction budget: its own `kv_budget` (checked by check_request) or the engine's."""
+        cfg = self.config.eviction_config
         if not cfg.enabled:
-            if params.kv_budget is not None:
-                raise ValueError("kv_budget needs an engine started with kv_eviction (streaming, h2o or snapkv)")
             return None
-        if params.kv_budget is None:
-            return cfg.budget
-        check_budget(params.kv_budget, cfg, self.kv.block_size, "kv_budget")
-        return params.kv_budget
+        return cfg.kv_budget if params.kv_budget is None else params.kv_budget
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for: the effective context length, vocabulary, batch width and KV budget."""
+        return RequestLimits(self.scheduler_config.max_model_len, self.scheduler.max_seq_len,
+                             self.model_config.vocab_size, self.scheduler_config.max_num_seqs, self.kv.block_size,
+                             self.config.eviction_config)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      strict_max_tokens: bool = False) -> int:
+        """The single admission check (LLM, CLI and server alike): RequestRejected (a ValueError naming the
+        field) or the number of new tokens that fit after the prompt. Reads only immutable limits, so the
+        server may call it off the engine thread."""
+        return check_request(list(prompt_token_ids), params, self.limits, strict_max_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request and, with n > 1, every one of its samples."""
@@ -179,7 +203,16 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduled step. If running it fails, StepFailed names the caller requests it held, so a
+        server can fail just those and keep serving (their blocks are freed by abort_request)."""
         sched_out = self.scheduler.schedule()
+        try:
+            return self._run_step(sched_out)
+        except Exception as exc:
+            ids = list(dict.fromkeys(c.request.group_id for c in sched_out.chunks))
+            raise StepFailed(ids) from exc
+
+    def _run_step(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         now = time.monotonic()
         for chunk in sched_out.chunks:
             if chunk.request.first_scheduled_time is None:

@@ -17,6 +17,7 @@ from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.engine.kv_eviction import EvictionTracker
 from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult, sample
+from kvforge.engine.sampling_params import sample_seed
 from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvforge.kv.cache_tensors import LayerKVCache
 
@@ -149,12 +150,12 @@ class ModelRunner:
         return {r.request_id: res for r, res in zip(sampling, results)}
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
-        """Seeded requests own a generator (sample i of n uses seed + i), kept across preemption."""
+        """Seeded requests own a generator (sample i of n: `sample_seed(seed, i)`), kept across preemption."""
         if seed is None:
             return self.default_generator
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = self.generators[request_id] = torch.Generator().manual_seed(seed + sample_index)
+            gen = self.generators[request_id] = torch.Generator().manual_seed(sample_seed(seed, sample_index))
         return gen
 
     def release(self, request_id: str) -> None:

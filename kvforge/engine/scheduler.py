@@ -72,23 +72,9 @@ class Scheduler:
         self.max_seq_len = config.max_model_len if limit is None else min(config.max_model_len, limit)
 
     def add_request(self, req: Request) -> None:
-        n = req.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
-        if n >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens but max_model_len is {self.config.max_model_len}: "
-                "the prompt plus at least one generated token must fit"
-            )
-        if n >= self.max_seq_len:
-            raise ValueError(
-                f"prompt has {n} tokens but the whole KV cache holds {self.max_seq_len} tokens "
-                f"(blocks of {self.kv.block_size}); raise kv_cache_memory or num_kv_blocks"
-            )
+        """Queue a request the engine's `check_request` has accepted (lengths, n, seed are checked there)."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        if req.num_seqs > self.config.max_num_seqs:
-            raise ValueError(f"n={req.num_seqs} exceeds max_num_seqs={self.config.max_num_seqs}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

@@ -11,6 +11,7 @@ import torch
 
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
+from kvforge.engine.args import EngineConfig
 from kvforge.ledger import (
     QUANTIZED_DTYPES,
     KVCacheFormat,
@@ -43,6 +44,7 @@ class StartupReport:
     groups: list[KVGroup] = field(default_factory=list)  # hybrid models: one pool per group, full attention first
     attention: str = ""  # the attention backend in use, fallbacks named
     linear: str = ""  # how linear layers run (oneDNN packing on CPU)
+    dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
     kv_eviction: str = "none"
     kv_budget: int | None = None
 
@@ -64,12 +66,14 @@ class StartupReport:
     def render(self) -> str:
         rows = [
             ("model", f"{self.model} ({self.architecture}, {self.dtype}, {self.device})"),
+            *((("dtype", f"{self.dtype} ({self.dtype_reason})"),) if self.dtype_reason else ()),
             ("weights", format_bytes(self.weights_bytes)),
             ("kv cache dtype", self.kv_dtype),
             ("kv bytes per token", f"{format_bytes(self.kv_bytes_per_token)} (all layers)"),
             ("kv block", f"{self.block_size} tokens = {format_bytes(self.kv_bytes_per_block)}"),
-            ("kv cache", f"{self.num_blocks} blocks = {format_bytes(self.kv_cache_bytes)}" if len(self.groups) < 2
-             else f"{len(self.groups)} groups, one pool each = {format_bytes(self.kv_cache_bytes)}"),
+            ("kv cache", f"{self.num_blocks} blocks + 1 null block = {format_bytes(self.kv_cache_bytes)}"
+             if len(self.groups) < 2
+             else f"{len(self.groups)} groups, one pool each (+1 null block each) = {format_bytes(self.kv_cache_bytes)}"),
             *self._group_rows(),
             ("kv capacity", f"{self.token_capacity} tokens"),
             ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
@@ -108,7 +112,7 @@ def weights_bytes(model: torch.nn.Module) -> int:
 
 def build_startup_report(
     model: torch.nn.Module, cfg: ModelConfig, fmt: KVCacheFormat, groups: list[KVGroup], block_size: int,
-    max_model_len: int, caches: list, args: object,
+    max_model_len: int, caches: list, config: EngineConfig,
 ) -> StartupReport:
     """`groups` are the KV cache groups with their block counts (`ledger.split_kv_blocks`), full attention first."""
     shape = cfg.kv_shape()
@@ -124,9 +128,9 @@ def build_startup_report(
         kv_dtype += f" (scales {scales})"
     device = next(model.parameters()).device
     return StartupReport(
-        model=getattr(args, "model", None) or "SmolLM2-135M-Instruct (default)",
+        model=config.model_config.model or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,
-        dtype=getattr(args, "dtype", "float32"),
+        dtype=config.model_config.dtype,
         device=str(device),
         weights_bytes=weights_bytes(model),
         kv_dtype=kv_dtype,
@@ -136,13 +140,13 @@ def build_startup_report(
         num_blocks=groups[0].num_blocks,
         kv_cache_bytes=allocated,
         max_model_len=max_model_len,
-        max_num_seqs=getattr(args, "max_num_seqs", 0),
-        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0),
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         groups=list(groups),
-        attention=describe_backend(getattr(args, "attention_backend", "auto"), device.type),
+        attention=describe_backend(config.model_config.attention_backend, device.type),
         linear=_describe_linear(model),
-        kv_eviction=getattr(args, "kv_eviction", "none"),
-        kv_budget=getattr(args, "kv_budget", None),
+        kv_eviction=config.eviction_config.kv_eviction,
+        kv_budget=config.eviction_config.kv_budget,
     )
 
 

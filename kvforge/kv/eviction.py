@@ -27,39 +27,69 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvforge.flags import option
+
 EVICTION_POLICIES = ("none", "streaming", "h2o", "snapkv")
 SCORED_POLICIES = ("h2o", "snapkv")
 
 
 @dataclass(frozen=True, slots=True)
 class EvictionConfig:
-    """The eviction options of `LLM(...)`, the CLI and the server, validated once with field names."""
+    """The engine's eviction section (EngineConfig.eviction_config): each option declared once, with its flag.
 
-    policy: str = "none"
-    budget: int | None = None  # tokens kept per sequence (a multiple of block_size is exact)
-    sink_tokens: int = 4
-    recent_tokens: int = 32
-    snapkv_window: int = 8
-    snapkv_pool: int = 7
+    Validated here with the field names; the budget against the block size (which lives in CacheConfig)
+    is checked by EngineConfig with `check_budget`.
+    """
 
-    def validate(self, block_size: int) -> None:
-        if self.policy not in EVICTION_POLICIES:
-            raise ValueError(f"kv_eviction must be one of {', '.join(EVICTION_POLICIES)}; got {self.policy!r}")
-        for name in ("sink_tokens", "recent_tokens"):
+    kv_eviction: str = option("none", "lossy KV eviction under --kv-budget: streaming (sinks + recent), "
+                              "h2o (heavy hitters), snapkv (prompt-end window votes, then h2o)",
+                              choices=EVICTION_POLICIES)
+    kv_budget: int | None = option(None, "KV tokens kept per sequence (whole blocks) with --kv-eviction")
+    kv_sink_tokens: int = option(4, "first tokens every eviction policy keeps (attention sinks)")
+    kv_recent_tokens: int = option(32, "most recent tokens h2o and snapkv always keep")
+    snapkv_window: int = option(8, "last prompt queries that vote (snapkv)")
+    snapkv_pool: int = option(7, "max-pool width over the votes (snapkv)")
+
+    def __post_init__(self) -> None:
+        if self.kv_eviction not in EVICTION_POLICIES:
+            raise ValueError(f"kv_eviction must be one of {', '.join(EVICTION_POLICIES)}; got {self.kv_eviction!r}")
+        for name in ("kv_sink_tokens", "kv_recent_tokens"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0:
-                raise ValueError(f"kv_{name} must be an integer >= 0, got {v!r}")
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         for name in ("snapkv_window", "snapkv_pool"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.policy == "none":
-            if self.budget is not None:
+        if self.kv_eviction == "none":
+            if self.kv_budget is not None:
                 raise ValueError("kv_budget needs kv_eviction (streaming, h2o or snapkv); got kv_eviction='none'")
             return
-        if self.budget is None:
-            raise ValueError(f"kv_eviction={self.policy!r} needs kv_budget (tokens kept per sequence)")
-        check_budget(self.budget, self, block_size, "kv_budget")
+        if self.kv_budget is None:
+            raise ValueError(f"kv_eviction={self.kv_eviction!r} needs kv_budget (tokens kept per sequence)")
+        if not _is_int(self.kv_budget) or self.kv_budget < 1:
+            raise ValueError(f"kv_budget must be a positive integer (tokens), got {self.kv_budget!r}")
+
+    def validate(self, block_size: int) -> None:
+        """The budget against the block size: it must hold the sinks and the recent window."""
+        if self.enabled:
+            check_budget(self.kv_budget, self, block_size, "kv_budget")
+
+    @property
+    def policy(self) -> str:
+        return self.kv_eviction
+
+    @property
+    def budget(self) -> int | None:
+        return self.kv_budget
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.kv_sink_tokens
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.kv_recent_tokens
 
     @property
     def enabled(self) -> bool:
