@@ -180,6 +180,20 @@ def test_scores_do_not_depend_on_the_attention_backend(tiny_model_factory, backe
     assert runs[0] == runs[1]
 
 
+def test_quantized_cache_read_in_place_with_eviction(tiny_model_factory):
+    """int8 KV read in place by the C kernels (auto) and dequantized by the reference: the same blocks stay."""
+    path, _ = tiny_model_factory("llama_d64")
+    runs = []
+    for b in ("torch", "auto"):
+        llm = _llm(path, kv_eviction="h2o", kv_budget=24, kv_recent_tokens=8, kv_cache_dtype="int8",
+                   attention_backend=b)
+        outs = llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY)
+        assert outs[0].num_evicted_tokens > 0
+        runs.append(_tokens(outs))
+        assert_no_leaks(llm.engine)
+    assert runs[0] == runs[1]
+
+
 # ---- sharing: prefix caching, n > 1, preemption -------------------------------------------------
 @pytest.mark.parametrize("policy", POLICIES)
 def test_prefix_cache_hit_after_an_evicting_request(tiny_model_factory, policy):
