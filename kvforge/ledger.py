@@ -204,6 +204,13 @@ def blocks_per_sequence(seq_len: int, block_size: int) -> int:
     return -(-seq_len // block_size)
 
 
+def blocks_per_sequence_evicting(seq_len: int, block_size: int, budget_tokens: int | None) -> int:
+    """Blocks a sequence of `seq_len` tokens holds once its prompt is cut under KV eviction: its budget's
+    full blocks plus the tail being written (`kv/eviction.py`); without a budget, every block."""
+    blocks = blocks_per_sequence(seq_len, block_size)
+    return blocks if budget_tokens is None else min(blocks, budget_tokens // block_size + 1)
+
+
 def kv_bytes_for_sequence_paged(
     shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> int:

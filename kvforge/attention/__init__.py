@@ -13,6 +13,7 @@ import torch
 
 from kvforge.attention import cpu_kernel
 from kvforge.attention.cpu_paged import paged_attention_cpu, reads_in_place
+from kvforge.attention.mass import accumulate_attention_mass
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.sdpa import paged_attention_sdpa
 from kvforge.attention.torch_ref import paged_attention as paged_attention_ref
@@ -41,6 +42,16 @@ def describe_backend(name: str, device: str) -> str:
 def paged_attention(
     q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,  # type: ignore[no-untyped-def]
     sliding_window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    out = _dispatch(q, cache, meta, scale, sliding_window, softcap)
+    if meta.attention_mass is not None:  # KV eviction's scores: only when a scored policy is on
+        accumulate_attention_mass(q, cache, meta, scale, softcap)
+    return out
+
+
+def _dispatch(
+    q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,  # type: ignore[no-untyped-def]
+    sliding_window: int | None, softcap: float | None,
 ) -> torch.Tensor:
     backend = meta.backend
     if backend == "torch":

@@ -28,6 +28,8 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes] int64, context length including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
     backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "auto" (sdpa where it applies)
+    # KV eviction's scores (attention/mass.py): which rows report their attention mass; None = eviction off.
+    attention_mass: object | None = field(default=None, repr=False, compare=False)
     # What a backend derives once per step and every layer reuses (e.g. the CPU kernels' checked indices).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 

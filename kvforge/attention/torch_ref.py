@@ -89,15 +89,24 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float | None
 ) -> torch.Tensor:
     """q [B, Tq, H, d], k [B, L, Hkv, d], v [B, L, Hkv, dv], visible [B, Tq, L] -> [B, Tq, H, dv]."""
+    b, tq, h, _ = q.shape
+    hkv = k.shape[2]
+    probs = attention_probs(q, k, visible, scale, softcap).to(v.dtype).view(b, hkv, (h // hkv) * tq, -1)
+    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, Hkv, group*Tq, dv]
+    return out.view(b, hkv, h // hkv, tq, -1).permute(0, 3, 1, 2, 4).reshape(b, tq, h, -1)
+
+
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """Softmax weights in fp32, [B, Hkv, group, Tq, L]: the reference attention and KV eviction's scores."""
     b, tq, h, d = q.shape
     hkv = k.shape[2]
     group = h // hkv
-    qg = q.view(b, tq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * tq, d)
+    qg = q.reshape(b, tq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * tq, d)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, group*Tq, L]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, hkv, group, tq, -1)
     scores.masked_fill_(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, group * tq, -1)
-    out = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, Hkv, group*Tq, dv]
-    return out.view(b, hkv, group, tq, -1).permute(0, 3, 1, 2, 4).reshape(b, tq, h, -1)
+    return torch.softmax(scores, dim=-1)

@@ -24,11 +24,12 @@ COMMANDS: dict[str, str] = {
     "learn why-cache": "kvforge.commands.learn_why_cache",
     "learn prefill-vs-decode": "kvforge.commands.learn_prefill_vs_decode",
     "learn paging": "kvforge.commands.learn_paging",
+    "eval kv-evict": "kvforge.commands.eval_evict",
 }
 
 GROUPS: dict[str, str] = {
     "bench": "benchmarks (serve: load-test an OpenAI-compatible server)",
     "cache": "prefix-cache tools (explain a miss)",
-    "eval": "quality evaluations (kv-quant: KV-cache quantization)",
+    "eval": "quality evaluations (kv-quant: KV-cache quantization; kv-evict: KV eviction)",
     "learn": "runnable, measured lessons: why-cache, prefill-vs-decode, paging (kvforge/learn/)",
 }

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences per step (sampled logits)")
     p.add_argument("--max-model-len", type=positive_int, default=None, help="default: max_position_embeddings")
     p.add_argument("--avg-seq-len", type=positive_int, default=None, help="the workload's real length (default --seq-len)")
+    p.add_argument("--kv-budget", type=positive_int, default=None,
+                   help="KV eviction budget (tokens kept per sequence): adds sequences that fit with eviction")
     p.add_argument("--attention", choices=("fused", "eager"), default="fused",
                    help="attention path for the prefill-peak lint: eager materialises the score matrix")
     p.add_argument("--prompts", default=None, help="sample prompts (.json, .jsonl or text) for the prefix-cache lint")
@@ -77,7 +79,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         seq_len=args.seq_len, batch=args.batch, block_size=args.block_size, gpu_memory=gpu,
         memory_utilization=args.memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, avg_seq_len=args.avg_seq_len,
-        attention=args.attention,
+        attention=args.attention, kv_budget=args.kv_budget,
     )
 
 

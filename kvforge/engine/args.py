@@ -22,6 +22,7 @@ from kvforge.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, CacheConfig, Sc
 from kvforge.flags import add_dataclass_flags, flag_errors, flags_of, option, values_for
 from kvforge.engine.sampling_params import SEED_MAX
 from kvforge.kv.tiers.cost import PREEMPTION_MODES
+from kvforge.kv.eviction import EvictionConfig
 from kvforge.ledger import parse_bytes
 
 DEFAULT_KV_DISK_SIZE = 10 << 30  # disk tier bound when kv_disk_cache is given without kv_disk_size
@@ -113,6 +114,7 @@ class TierConfig:
 SECTIONS: dict[str, type] = {
     "model_config": ModelOptions, "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig, "tier_config": TierConfig,
+    "eviction_config": EvictionConfig,
 }
 # option name -> section; option names are unique across sections, so flat keywords are unambiguous
 _SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
@@ -126,11 +128,16 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     tier_config: TierConfig = field(default_factory=TierConfig)
+    eviction_config: EvictionConfig = field(default_factory=EvictionConfig)
     log_ledger: bool = True  # print the memory ledger to stderr at start-up
 
     def __post_init__(self) -> None:  # checks across sections
         if self.tier_config.enabled and not self.cache_config.enable_prefix_caching:
             raise ValueError("kv_offload_memory / kv_disk_cache serve prefix blocks and need prefix caching on")
+        self.eviction_config.validate(self.cache_config.block_size)  # the budget in whole blocks of block_size
+        if self.tier_config.enabled and self.eviction_config.kv_eviction != "none":
+            raise ValueError("kv_eviction cannot be combined with kv_offload_memory / kv_disk_cache yet: an evicting "
+                             "sequence's later blocks do not follow its full prefix, so tiers could not key them")
 
     @classmethod
     def create(cls, **options: Any) -> "EngineConfig":
@@ -169,7 +176,7 @@ def EngineArgs(model: str | None = None, **options: Any) -> EngineConfig:  # noq
     return EngineConfig.create(model=model, **options)
 
 
-ENGINE_FLAG_SECTIONS = (ModelOptions, CacheConfig, SchedulerConfig, ParallelConfig, TierConfig)
+ENGINE_FLAG_SECTIONS = (ModelOptions, CacheConfig, SchedulerConfig, ParallelConfig, TierConfig, EvictionConfig)
 ENGINE_FLAGS = flags_of(*ENGINE_FLAG_SECTIONS)  # option name -> CLI flag, for error messages
 
 

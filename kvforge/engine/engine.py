@@ -16,6 +16,7 @@ import torch
 from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
 from kvforge.engine.dtype_choice import resolve_dtype
+from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
@@ -49,6 +50,8 @@ class EngineCounters:
     num_steps: int = 0
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
+    num_evicted_tokens: int = 0  # KV eviction, all requests
+    num_evicted_blocks: int = 0
 
 
 class LLMEngine:
@@ -111,6 +114,10 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
                                   opts.attention_backend)
+        self.eviction: EvictionTracker | None = None
+        if config.eviction_config.enabled:
+            check_eviction_supported(cfg, len(groups))
+            self.eviction = self.runner.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
@@ -193,17 +200,26 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
-        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n)
+        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n,
+                      kv_budget=self._kv_budget(params))
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt)
         self.samples[request_id] = [req]
         return request_id
 
+    def _kv_budget(self, params: SamplingParams) -> int | None:
+        """The request's eviction budget: its own `kv_budget` (checked by check_request) or the engine's."""
+        cfg = self.config.eviction_config
+        if not cfg.enabled:
+            return None
+        return cfg.kv_budget if params.kv_budget is None else params.kv_budget
+
     @property
     def limits(self) -> RequestLimits:
-        """What one request may ask for: the effective context length, vocabulary and batch width."""
+        """What one request may ask for: the effective context length, vocabulary, batch width and KV budget."""
         return RequestLimits(self.scheduler_config.max_model_len, self.scheduler.max_seq_len,
-                             self.model_config.vocab_size, self.scheduler_config.max_num_seqs, self.kv.block_size)
+                             self.model_config.vocab_size, self.scheduler_config.max_num_seqs, self.kv.block_size,
+                             self.config.eviction_config)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       strict_max_tokens: bool = False) -> int:
@@ -219,7 +235,7 @@ class LLMEngine:
             return False
         for req in samples:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ABORTED)
-            self.runner.release(req.request_id)
+            self._release(req.request_id)
         self.outputs.abort(request_id, samples)
         self.kv_usage.pop_request(request_id)
         self.counters.num_requests_aborted += 1
@@ -260,6 +276,13 @@ class LLMEngine:
         )
         sampled = {rid: r.token_id for rid, r in results.items()}
         advanced = self.scheduler.update(sched_out, sampled)
+        if self.eviction is not None:
+            for req in sched_out.preempted:  # recompute starts over: scores go with the blocks
+                self.eviction.release(req.request_id)
+            for req in advanced:  # caught up with its tokens: cut to the budget (the prompt once, then a block at a time)
+                evicted = self.eviction.enforce(req)
+                self.counters.num_evicted_blocks += evicted
+                self.counters.num_evicted_tokens += evicted * self.kv.block_size
         self.counters.num_generation_tokens += len(advanced)
         completions = []
         for req in advanced:
@@ -267,7 +290,7 @@ class LLMEngine:
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.is_finished:
-                self.runner.release(req.request_id)
+                self._release(req.request_id)
                 self.samples[req.group_id].remove(req)
             completions.append((req, completion))
         outputs = self.outputs.collect(completions)
@@ -278,6 +301,11 @@ class LLMEngine:
                     out.metrics.set_kv_usage(self.kv_usage.pop_request(out.request_id))
                 self.counters.num_requests_finished += 1
         return outputs
+
+    def _release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+        if self.eviction is not None:
+            self.eviction.release(request_id)
 
     # ---- utilities ------------------------------------------------------------------------
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
+from kvforge.engine.kv_eviction import EvictionTracker
 from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult, sample
 from kvforge.engine.sampling_params import sample_seed
@@ -35,6 +36,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        self.eviction: EvictionTracker | None = None  # set by the engine when KV eviction is on
         self.default_generator = torch.Generator().manual_seed(seed)
         self.tiers: Any = None  # KV tiers (kvforge.kv.tiers): loads and evictions queued by the KV manager
         self.mover: Any = None
@@ -69,7 +71,9 @@ class ModelRunner:
             c = chunks[i]
             ids.extend(c.request.all_token_ids[c.start : c.start + c.num_tokens])
             positions.append(torch.arange(c.start, c.start + c.num_tokens))
-        metas = [self._metadata(chunks, decodes, prefills, [c.block_ids[g] for c in chunks])
+        # cache coordinates: a sequence that evicted holds fewer tokens than its true position (KV eviction)
+        starts = [c.start - c.request.num_evicted_tokens for c in chunks]
+        metas = [self._metadata(chunks, starts, decodes, prefills, [c.block_ids[g] for c in chunks])
                  for g in range(self.num_groups)]
         meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
         if self.num_groups > 1:
@@ -78,15 +82,17 @@ class ModelRunner:
         return input_ids, torch.cat(positions).to(self.device), meta, decodes + prefills
 
     def _metadata(
-        self, chunks: list[ScheduledChunk], decodes: list[int], prefills: list[int], tables: list[list[int]]
+        self, chunks: list[ScheduledChunk], starts: list[int], decodes: list[int], prefills: list[int],
+        tables: list[list[int]],
     ) -> AttentionMetadata:
-        """Slot mapping and block tables of one KV cache group (`tables[i]`: chunk i's table)."""
+        """Slot mapping and block tables of one KV cache group (`tables[i]`: chunk i's table, `starts[i]`:
+        its tokens already in the cache, which is its start position unless it evicted)."""
         slots: list[torch.Tensor] = []
         if decodes:
             width = max(len(tables[i]) for i in decodes)
             padded = [tables[i] + [0] * (width - len(tables[i])) for i in decodes]
             dec_tables = torch.tensor(padded, dtype=torch.int64)
-            pos = torch.tensor([chunks[i].start for i in decodes], dtype=torch.int64)
+            pos = torch.tensor([starts[i] for i in decodes], dtype=torch.int64)
             slots.append(dec_tables.gather(1, (pos // self.block_size)[:, None])[:, 0] * self.block_size + pos % self.block_size)
             seq_lens = pos + 1
         else:
@@ -96,11 +102,11 @@ class ModelRunner:
         row = len(decodes)
         dev = self.device
         for i in prefills:
-            c = chunks[i]
-            end = c.start + c.num_tokens
-            slots.append(self._slots(tables[i], c.start, end))
+            c, start = chunks[i], starts[i]
+            end = start + c.num_tokens
+            slots.append(self._slots(tables[i], start, end))
             meta_prefills.append(
-                PrefillChunk(slice(row, row + c.num_tokens), c.start, end, torch.tensor(tables[i], dtype=torch.int64).to(dev))
+                PrefillChunk(slice(row, row + c.num_tokens), start, end, torch.tensor(tables[i], dtype=torch.int64).to(dev))
             )
             row += c.num_tokens
         return AttentionMetadata(
@@ -124,7 +130,16 @@ class ModelRunner:
             return {}
         chunks = out.chunks
         input_ids, positions, meta, order = self.prepare(chunks)
+        mass = None
+        if self.eviction is not None:  # scored eviction policies: the layers report attention mass
+            num_decodes = sum(1 for c in chunks if c.num_tokens == 1)  # `order` lists decodes first
+            decodes, prefills = order[:num_decodes], order[num_decodes:]
+            mass = self.eviction.mass_request(chunks, decodes, prefills)
+            assert isinstance(meta, AttentionMetadata), "KV eviction runs with one KV cache group"
+            meta.attention_mass = mass
         hidden = self.model(input_ids, positions, self.caches, meta)
+        if mass is not None:
+            self.eviction.collect(mass, chunks, decodes, prefills)
         # row of each chunk's last token in the flattened batch
         rows, sampling = [], []
         row = 0
@@ -162,8 +177,20 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, req: Request, block_ids: list[list[int]]) -> torch.Tensor:
         """Logits [T, V] for every token of `req`, whose blocks (`block_ids` per group) are allocated."""
+        return self.chunk_logits(ScheduledChunk(req, 0, req.num_tokens, block_ids=block_ids))
+
+    @torch.inference_mode()
+    def chunk_logits(self, chunk: ScheduledChunk, scored: bool = False) -> torch.Tensor:
+        """Logits [n, V] for every token of one allocated chunk (`chunk.block_ids` set); `scored`: feed
+        KV eviction's scores too (`kvforge eval kv-evict` streams text through the cache this way)."""
         self._sync_tiers([])
-        chunk = ScheduledChunk(req, 0, req.num_tokens, block_ids=block_ids)
         input_ids, positions, meta, _ = self.prepare([chunk])
+        mass = None
+        if scored and self.eviction is not None:
+            single = ([], [0]) if chunk.num_tokens > 1 else ([0], [])
+            mass = self.eviction.mass_request([chunk], *single)
+            meta.attention_mass = mass  # type: ignore[union-attr]
         hidden = self.model(input_ids, positions, self.caches, meta)
+        if mass is not None:
+            self.eviction.collect(mass, [chunk], *single)
         return self.model.compute_logits(hidden).cpu()

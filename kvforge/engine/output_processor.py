@@ -27,6 +27,7 @@ class _Group:
     n: int
     metrics: RequestMetrics
     finals: dict[int, CompletionOutput]  # finished samples' last completion, by sample index
+    evicted: dict[int, tuple[int, int]] | None = None  # KV eviction: (tokens, blocks) evicted, by sample index
 
 
 @dataclass
@@ -146,8 +147,13 @@ class OutputProcessor:
             cumulative_logprob=st.cumulative_logprob, logprobs=list(st.logprobs) if st.logprobs is not None else None,
             finish_reason=reason, stop_reason=req.stop_reason, delta_text=delta, delta_token_ids=list(new_tokens),
         )
+        group = self.groups[req.group_id]
+        if req.evicted_blocks_total:  # KV eviction: what every sample evicted so far, summed
+            group.evicted = group.evicted or {}
+            group.evicted[req.sample_index] = (req.evicted_tokens_total, req.evicted_blocks_total)
+            group.metrics.num_evicted_tokens = sum(t for t, _ in group.evicted.values())
+            group.metrics.num_evicted_blocks = sum(b for _, b in group.evicted.values())
         if finished:
-            group = self.groups[req.group_id]
             group.finals[req.sample_index] = completion
             group.metrics.num_preemptions += req.num_preemptions
         return completion

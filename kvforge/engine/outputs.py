@@ -49,6 +49,8 @@ class RequestMetrics:
         if self.kv_slots_allocated is None:
             return None
         return self.kv_slots_allocated - (self.kv_tokens_stored or 0)
+    num_evicted_tokens: int = 0  # KV eviction: tokens (whole blocks) dropped from the cache, all samples
+    num_evicted_blocks: int = 0  # blocks whose reference eviction dropped (back to the pool unless shared)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -70,3 +72,13 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # num_cached_tokens per level: "device" (the block pool), and with KV tiers "host" and "disk"
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_evicted_tokens(self) -> int:
+        """Tokens KV eviction dropped from this request's cache so far (every sample)."""
+        return self.metrics.num_evicted_tokens if self.metrics else 0
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Blocks KV eviction released from this request's tables so far (every sample)."""
+        return self.metrics.num_evicted_blocks if self.metrics else 0

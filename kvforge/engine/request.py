@@ -47,6 +47,14 @@ class Request:
     num_seqs: int = 1
     parent_id: str | None = None  # a forked sample's parent: the request id the caller sees
     sample_index: int = 0
+    # KV eviction (kv/eviction.py): tokens per sequence this request keeps (None: no eviction), and what it
+    # evicted from its current table. Evicted tokens are whole blocks dropped from the table: the cache holds
+    # num_computed_tokens - num_evicted_tokens of them, while new tokens keep their true positions.
+    # The totals survive preemption (the table and num_evicted_tokens start over on recompute).
+    kv_budget: int | None = None
+    num_evicted_tokens: int = 0
+    evicted_tokens_total: int = 0
+    evicted_blocks_total: int = 0
     # Token ids in order; prompt followed by outputs (kept in one list to avoid re-concatenation).
     all_token_ids: list[int] = field(default_factory=list)
     # Prefix-cache hash of each full block, appended by the KV coordinator as blocks fill and kept across
@@ -73,6 +81,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_cached_kv_tokens(self) -> int:
+        """Tokens whose K/V this request's cache holds (computed minus evicted): its cache coordinate."""
+        return self.num_computed_tokens - self.num_evicted_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvforge.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from kvforge.kv.eviction import EvictionConfig, check_budget
 
 
 class RequestRejected(ValueError):
@@ -27,6 +28,7 @@ class RequestLimits:
     vocab_size: int
     max_num_seqs: int
     block_size: int
+    eviction: EvictionConfig = EvictionConfig()  # the engine's KV eviction (a per-request kv_budget needs one)
 
     @property
     def limit_name(self) -> str:
@@ -65,4 +67,12 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
     seed = params.seed  # re-checked: SamplingParams fields can be reassigned after validation
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX):
         raise RequestRejected(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}", "seed")
+    if params.kv_budget is not None:
+        if not limits.eviction.enabled:
+            raise RequestRejected("kv_budget needs an engine started with kv_eviction (streaming, h2o or snapkv)",
+                                  "kv_budget")
+        try:
+            check_budget(params.kv_budget, limits.eviction, limits.block_size, "kv_budget")
+        except ValueError as exc:
+            raise RequestRejected(str(exc), "kv_budget") from None
     return room

@@ -38,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    kv_budget: int | None = None  # KV eviction: tokens this request keeps (overrides the engine's kv_budget)
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +56,8 @@ class SamplingParams:
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "an integer >= 1 or None")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", "an integer in [0, 20] or None")
+        check(self.kv_budget is None or (_is_int(self.kv_budget) and self.kv_budget >= 1), "kv_budget",
+              "a positive integer (tokens) or None")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check(all(isinstance(s, str) and s for s in stops), "stop", "a non-empty string or a list of non-empty strings")
         self._stop = stops

@@ -131,6 +131,7 @@ class Scheduler:
                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
                 cached_tokens_by_tier=dict(parent.cached_tokens_by_tier),
                 first_scheduled_time=parent.first_scheduled_time, parent_id=parent.request_id, sample_index=i,
+                kv_budget=parent.kv_budget, num_evicted_tokens=parent.num_evicted_tokens,
             )
             self.kv.fork(parent, child)
             self.requests[cid] = child
@@ -169,6 +170,7 @@ class Scheduler:
             self.num_swaps += 1
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.num_evicted_tokens = 0  # recompute prefills every token again, then cuts to the budget afresh
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -17,6 +17,7 @@ from kvforge.ledger import (
     KVCacheFormat,
     KVGroup,
     blocks_per_sequence,
+    blocks_per_sequence_evicting,
     format_bytes,
     kv_bytes_for_groups,
     kv_bytes_per_block,
@@ -45,6 +46,13 @@ class StartupReport:
     linear: str = ""  # how linear layers run (oneDNN packing on CPU)
     tiers: list[tuple[str, str]] = field(default_factory=list)  # KV tier rows (kvforge.kv.tiers.setup.ledger_rows)
     dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
+    kv_eviction: str = "none"
+    kv_budget: int | None = None
+
+    @property
+    def max_concurrency_evicting(self) -> float:
+        """Sequences of max_model_len that fit at once under KV eviction, once their prompts are cut."""
+        return self.num_blocks / blocks_per_sequence_evicting(self.max_model_len, self.block_size, self.kv_budget)
 
     @property
     def token_capacity(self) -> int:
@@ -70,6 +78,10 @@ class StartupReport:
             *self._group_rows(),
             ("kv capacity", f"{self.token_capacity} tokens"),
             ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
+            *((("kv eviction", f"{self.kv_eviction}, budget {self.kv_budget} tokens per sequence -> "
+                                f"{self.max_concurrency_evicting:.2f} full-length sequences at once "
+                                f"(without: {self.max_concurrency:.2f}; prompts are held whole while prefilling)"),)
+              if self.kv_budget is not None else ()),
             ("scheduler", f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"),
             *((("attention", self.attention),) if self.attention else ()),
             *((("linear layers", self.linear),) if self.linear else ()),
@@ -135,6 +147,8 @@ def build_startup_report(
         groups=list(groups),
         attention=describe_backend(config.model_config.attention_backend, device.type),
         linear=_describe_linear(model),
+        kv_eviction=config.eviction_config.kv_eviction,
+        kv_budget=config.eviction_config.kv_budget,
     )
 
 

@@ -13,7 +13,7 @@ are computed once, on the request, and read by every group.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvforge.kv.blocks import BlockPool, KVBlock
@@ -120,6 +120,9 @@ class KVCacheCoordinator:
         table = m.tables.get(req.request_id, [])[: m.num_published.get(req.request_id, 0)]
         self.tiers.swap_out((b.block_id, b.block_hash, b.token_ids) for b in table
                             if b.block_hash is not None and b.token_ids is not None)
+        # KV eviction's scores need some queries computed, never hit (engine/kv_eviction.py): given a
+        # request and its cached head blocks, how many of them it may use (None: all).
+        self.hit_limit: Callable[[KVRequest, list[KVBlock]], int] | None = None
 
     # ---- shape and capacity ---------------------------------------------------------------
     @property
@@ -178,6 +181,8 @@ class KVCacheCoordinator:
             return self._computed_blocks_with_tiers(req, hashes)
         anchor, *others = self.managers
         head = anchor.cached_blocks(req, hashes, (req.num_tokens - 1) // self.block_size, stop_at_miss=True)
+        if self.hit_limit is not None:
+            head = head[: self.hit_limit(req, head)]  # type: ignore[arg-type]
         found = [m.cached_blocks(req, hashes, len(head)) for m in others]
         runs = [_runs(f) for f in found]  # runs[g][j]: cached blocks in a row ending at block j
         k = len(head)
@@ -252,6 +257,15 @@ class KVCacheCoordinator:
         attention must mask the dropped positions. Returns how many blocks went back to the pool.
         """
         return self.managers[group].drop_blocks(request_id, indices)
+
+    def compact_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+        """Lossy eviction that closes up the table (one-group models): keep only the full blocks at `keep`.
+
+        Unlike `drop_blocks`, positions shift: the caller advances the request's `num_evicted_tokens`
+        by the returned blocks x block_size, and attention reads a shorter, unmasked table.
+        """
+        assert self.num_groups == 1, "compacting eviction serves one-group models"
+        return self.managers[0].compact_blocks(req, keep)
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """`child` shares every block of `parent` in every group; its hash chain starts as a copy."""

@@ -78,7 +78,7 @@ class GroupManager:
 
     def blocks_needed(self, req: KVRequest, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         held = len(self.tables.get(req.request_id, ())) + num_computed_blocks
-        total = req.num_computed_tokens + num_computed_blocks * self.block_size + num_new_tokens
+        total = cached_tokens(req) + num_computed_blocks * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - held)
 
     def can_allocate(self, req: KVRequest, num_new_tokens: int, computed_blocks: list[KVBlock]) -> bool:
@@ -103,7 +103,7 @@ class GroupManager:
         table.extend(computed_blocks)
         copies: list[tuple[int, int]] = []
         if cow:
-            idx = req.num_computed_tokens // self.block_size
+            idx = cached_tokens(req) // self.block_size
             old = table[idx]
             (new,) = self.pool.get_new_blocks(1)
             self.pool.free_blocks([old])
@@ -159,6 +159,24 @@ class GroupManager:
             return 0
         return self._replace_with_null(table, indices)
 
+    def compact_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+        """Lossy eviction that closes up: keep only the full blocks at `keep` (ascending) plus the tail.
+
+        Only this request's references go: a block another table shares (prefix hit, fork) stays as it
+        is, and a cached block keeps its hash, hittable until the pool reuses it. Cache coordinates then
+        shift down by the evicted tokens (the request's `num_evicted_tokens`, which the caller advances);
+        no null block is left, so attention needs no mask. Returns how many blocks were dropped.
+        """
+        table = self.tables.get(req.request_id, [])
+        num_full = cached_tokens(req) // self.block_size
+        kept = set(keep)
+        assert kept <= set(range(num_full)), "only full blocks can be evicted"
+        dropped = [b for i, b in enumerate(table[:num_full]) if i not in kept]
+        if dropped:
+            self.tables[req.request_id] = [b for i, b in enumerate(table) if i >= num_full or i in kept]
+            self.pool.free_blocks(reversed(self.live(dropped)))  # a chain's tail first, as `free` does
+        return len(dropped)
+
     def _replace_with_null(self, table: list[KVBlock], indices: Iterable[int]) -> int:
         dead = []
         for i in indices:
@@ -174,16 +192,16 @@ class GroupManager:
 
     def _needs_copy_on_write(self, req: KVRequest, table: list[KVBlock], num_new_tokens: int) -> bool:
         """True when this step writes into a partly filled block that another table shares."""
-        if num_new_tokens == 0 or req.num_computed_tokens % self.block_size == 0:
+        if num_new_tokens == 0 or cached_tokens(req) % self.block_size == 0:
             return False
-        idx = req.num_computed_tokens // self.block_size
+        idx = cached_tokens(req) // self.block_size
         return idx < len(table) and table[idx].ref_cnt > 1
 
     def _publish_full_blocks(self, req: KVRequest, num_full: int, hashes: Sequence[BlockHash]) -> None:
         if not self.pool.enable_caching:
             return
         done = self.num_published.get(req.request_id, 0)
-        if num_full <= done:
+        if num_full <= done or getattr(req, "num_evicted_tokens", 0):
             return
         table, bs = self.tables[req.request_id], self.block_size
         for i in range(done, min(num_full, len(hashes))):
@@ -205,3 +223,8 @@ class GroupManager:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.tables.values())
+
+
+def cached_tokens(req: KVRequest) -> int:
+    """Tokens whose K/V the request's table holds: computed minus those KV eviction compacted away."""
+    return req.num_computed_tokens - getattr(req, "num_evicted_tokens", 0)

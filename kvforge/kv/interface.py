@@ -13,9 +13,13 @@ Shapes, always per KV cache group (a plain model has exactly one group):
 `KVCacheCoordinatorProtocol` is the public contract. Two features build on it
 (docs/DESIGN.md, "KV coordinator contract"):
 
-- Lossy eviction (dropping KV from the middle of a sequence) uses `drop_blocks`:
-  it replaces chosen blocks of one group's table by the group's null block and
-  frees them to the pool. Per-layer tables are groups of one layer each.
+- Lossy eviction (dropping KV from the middle of a sequence): `drop_blocks`
+  replaces chosen blocks of one group's table by the group's null block and
+  frees them to the pool (positions keep their meaning; attention must mask).
+  kvforge's eviction (`kv_eviction=...`, engine/kv_eviction.py) uses
+  `compact_blocks` instead: the table closes up, the request's
+  `num_evicted_tokens` shifts its cache coordinates, and attention reads a
+  shorter table with no mask, in every backend.
 - KV tiers use `BlockPool.add_evict_listener` (a hook when a cached block leaves
   the device pool) and a `SecondaryKVCache`: a prefix lookup continues into it
   after the device misses, and the allocation that admits the request yields
@@ -150,6 +154,10 @@ class KVCacheCoordinatorProtocol(Protocol):
         ...
 
     def swap_out(self, req: KVRequest) -> None: ...
+    def compact_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+        """Lossy eviction that closes up the table: keep only the full blocks at `keep` (one-group models)."""
+        ...
+
     def fork(self, parent: KVRequest, child: KVRequest) -> None: ...
     def free(self, req: KVRequest) -> None: ...
     def reset_prefix_cache(self) -> bool: ...

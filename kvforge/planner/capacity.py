@@ -30,6 +30,7 @@ class PlanOptions:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     avg_seq_len: int | None = None  # None: seq_len
     attention: str = "fused"  # "eager" materialises the [heads, chunk, context] score matrix
+    kv_budget: int | None = None  # KV eviction: tokens each sequence keeps once its prompt is cut
 
 
 @dataclass(slots=True)
@@ -47,6 +48,9 @@ class Capacity:
     avg_seq_len: int
     concurrency_at_avg: int
     groups: list[KVGroup] = field(default_factory=list)  # KV cache groups, full attention first (blocks = group 0's)
+    # with --kv-budget (None: not asked, or a windowed model, which eviction does not serve)
+    evicting_at_max: int | None = None
+    evicting_at_avg: int | None = None
 
 
 @dataclass(slots=True)
@@ -147,12 +151,18 @@ def plan_capacity(col: Column, opts: PlanOptions) -> Capacity:
     avg = opts.avg_seq_len or opts.seq_len
     if avg > max_len:
         raise ValueError(f"--avg-seq-len {avg} exceeds max_model_len {max_len}; raise --max-model-len")
-    return Capacity(
+    cap = Capacity(
         budget=int(opts.gpu_memory * opts.memory_utilization), weights=col.weights_bytes, activations=acts,
         kv_memory=kv, num_blocks=groups[0].num_blocks, num_tokens=groups[0].num_blocks * opts.block_size,
         max_model_len=max_len, concurrency_at_max=concurrency(col, opts, kv, max_len),
         avg_seq_len=avg, concurrency_at_avg=concurrency(col, opts, kv, avg), groups=groups,
     )
+    if opts.kv_budget is not None and not col.shape.sliding_windows:
+        def evicting(seq_len: int) -> int:
+            return cap.num_blocks // ledger.blocks_per_sequence_evicting(seq_len, opts.block_size, opts.kv_budget)
+
+        cap.evicting_at_max, cap.evicting_at_avg = evicting(max_len), evicting(avg)
+    return cap
 
 
 def concurrency(col: Column, opts: PlanOptions, kv_memory: int, seq_len: int) -> int:

@@ -78,6 +78,15 @@ def _rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
             row(f"sequences at max_model_len", lambda c: f"{c.capacity.concurrency_at_max:,} @ {c.capacity.max_model_len}"),
             row(f"sequences at avg length", lambda c: f"{c.capacity.concurrency_at_avg:,} @ {c.capacity.avg_seq_len}"),
         ]
+        if opts.kv_budget is not None:
+            def evicting(n: int | None, length: int) -> str:
+                return "n/a (sliding window)" if n is None else f"{n:,} @ {length}"
+
+            rows += [
+                (f"# with KV eviction: {opts.kv_budget} tokens kept per sequence (prompts cut after prefill)", []),
+                row("sequences at max_model_len", lambda c: evicting(c.capacity.evicting_at_max, c.capacity.max_model_len)),
+                row("sequences at avg length", lambda c: evicting(c.capacity.evicting_at_avg, c.capacity.avg_seq_len)),
+            ]
     return rows
 
 

@@ -321,6 +321,8 @@ class AsyncEngine:
             "generation_tokens": e.counters.num_generation_tokens,
             "prefix_queries": stats.queries,
             "prefix_hits": stats.hits,
+            "evicted_tokens": e.counters.num_evicted_tokens,
+            "evicted_blocks": e.counters.num_evicted_blocks,
             "max_waiting": -1 if self.max_waiting_requests is None else self.max_waiting_requests,
             "draining": int(self.draining),
             "tiers": e.tier_stats(),  # type: ignore[dict-item]  # KV tiers (host, disk): per-tier counters

@@ -42,6 +42,8 @@ GAUGES = [
     ("kvforge_kv_slots_allocated", None, "gauge", "KV token slots held by running requests' block tables.", "kv_slots_allocated"),
     ("kvforge_kv_reserved_unused_slots", None, "gauge", "KV token slots allocated but holding no token (waste).", "kv_reserved_unused_slots"),
     ("kvforge_kv_utilization_mean_ratio", None, "gauge", "KV tokens stored / slots allocated, summed over every engine step so far.", "kv_mean_utilization"),
+    ("kvforge_kv_evicted_tokens_total", None, "counter", "Tokens KV eviction dropped from sequences' caches.", "evicted_tokens"),
+    ("kvforge_kv_evicted_blocks_total", None, "counter", "Block references KV eviction released to the pool.", "evicted_blocks"),
 ]
 # (kvforge name, vLLM alias, help, attribute, buckets)
 HISTOGRAMS = [

@@ -52,6 +52,7 @@ _SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "ignore_eos": ((bool,), "a boolean"),
     "skip_special_tokens": ((bool,), "a boolean"),
     "include_stop_str_in_output": ((bool,), "a boolean"),
+    "kv_budget": ((int,), "an integer"),  # KV eviction: tokens this request keeps (engine started with kv_eviction)
 }
 
 
