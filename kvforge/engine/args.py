@@ -29,6 +29,8 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "cpu" (in-place C decode), "auto"
     log_ledger: bool = True
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (torch.distributed: gloo on CPU, NCCL on CUDA)
+    distributed_timeout: float = 300.0  # seconds a rank may take to answer a step before it is declared hung
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -48,6 +50,14 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if not isinstance(self.distributed_timeout, (int, float)) or not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}")
+        if tp > 1 and self.kv_cache_scale == "tensor":
+            raise ValueError("kv_cache_scale='tensor' is calibrated in one process; it is not supported with "
+                             "tensor_parallel_size > 1 (use token, head or channel)")
         self.cache_config()  # validates block_size, num_kv_blocks, kv_cache_dtype, k/v_cache_dtype, kv_cache_scale
 
     def cache_config(self) -> CacheConfig:
@@ -83,6 +93,11 @@ def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the model over N ranks started by the engine (gloo on CPU, NCCL on CUDA; loopback "
+                        "unless MASTER_ADDR is set)")
+    g.add_argument("--distributed-timeout", type=float, default=300.0,
+                   help="seconds a tensor-parallel rank may take to answer before the engine reports it hung")
     g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "sdpa", "torch"),
                    help="auto (default) = cpu on CPU when a C compiler is present, else sdpa; cpu = in-place C decode "
                         "kernel + SDPA prefill; sdpa = PyTorch fused kernels; torch = reference implementation")

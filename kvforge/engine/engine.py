@@ -25,7 +25,7 @@ from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
 from kvforge.kv.calibration import calibrate_static_scales
 from kvforge.kv.hybrid import make_kv_manager
-from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
+from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
 
@@ -48,6 +48,15 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.executor = None
+        if args.tensor_parallel_size > 1:  # the ranks load their own shards (kvforge/distributed)
+            from kvforge.distributed.executor import TensorParallelExecutor
+
+            del checkpoint
+            self.model = None
+            self.executor = TensorParallelExecutor(args, self.model_config)
+            self._init_cache_and_scheduler()
+            return
         model = build_model(self.model_config)
         model.load_weights(checkpoint.weights)
         del checkpoint
@@ -60,6 +69,8 @@ class LLMEngine:
         cache_cfg = args.cache_config()
         self.cache_format = cache_cfg.cache_format(args.dtype)
         shape = cfg.kv_shape()
+        if self.executor is not None:  # one device's share: its own KV heads (replicated when too few)
+            shape = tensor_parallel_kv(shape, args.tensor_parallel_size).per_device
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
             cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
         )
@@ -74,19 +85,24 @@ class LLMEngine:
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         layer_groups = {layer: g for g, group in enumerate(groups) for layer in group.layers}
-        caches = make_layer_caches(
-            cfg, self.cache_format, [groups[layer_groups[i]].num_blocks for i in range(cfg.num_layers)],
-            cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
-        )
-        self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend,
-                                  [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
         self._ids = itertools.count()
-        self.report: StartupReport = build_startup_report(
-            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, args
-        )
+        if self.executor is not None:
+            from kvforge.distributed.setup import init_tensor_parallel_caches
+
+            self.runner, self.report = init_tensor_parallel_caches(self, groups, layer_groups, max_model_len)
+        else:
+            caches = make_layer_caches(
+                cfg, self.cache_format, [groups[layer_groups[i]].num_blocks for i in range(cfg.num_layers)],
+                cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
+            )
+            self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend,
+                                      [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None)
+            self.report: StartupReport = build_startup_report(
+                self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, args
+            )
         if args.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
@@ -203,6 +219,11 @@ class LLMEngine:
                 f"cannot reset the prefix cache while {self.pool.num_blocks - self.pool.num_free_blocks} "
                 "blocks are in use; wait for running requests to finish or abort them"
             )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (also done when the engine is garbage collected)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

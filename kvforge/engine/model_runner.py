@@ -97,15 +97,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        if out.block_copies:  # each group's copies go to that group's layers only
-            by_group = self.kv.copies_by_group(out.block_copies)
-            for layer, cache in enumerate(self.caches):
-                cache.copy_blocks(by_group[self.layer_groups[layer] if self.layer_groups else 0])
+        if out.block_copies:
+            self._copy_blocks(self.kv.copies_by_group(out.block_copies))
         if out.is_empty:
             return {}
         chunks = out.chunks
         input_ids, positions, meta, order = self.prepare(chunks)
-        hidden = self.model(input_ids, positions, self.caches, meta)
         # row of each chunk's last token in the flattened batch
         rows, sampling = [], []
         row = 0
@@ -116,9 +113,9 @@ class ModelRunner:
                 for r in (c.request, *c.forks):
                     rows.append(row - 1)
                     sampling.append(r)
+        logits = self._forward_logits(input_ids, positions, meta, rows)
         if not sampling:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).cpu()
         params = [r.sampling_params for r in sampling]
         gens = [self._generator(r.request_id, r.sampling_params.seed, r.sample_index) for r in sampling]
         banned = [
@@ -137,6 +134,25 @@ class ModelRunner:
             gen = self.generators[request_id] = torch.Generator().manual_seed(seed + sample_index)
         return gen
 
+    def _copy_blocks(self, by_group: list[list[tuple[int, int]]]) -> None:
+        """Copy-on-write block copies; each KV cache group's copies go to that group's layers only."""
+        for layer, cache in enumerate(self.caches):
+            cache.copy_blocks(by_group[self.layer_groups[layer] if self.layer_groups else 0])
+
+    def _forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | list[AttentionMetadata],
+        rows: list[int] | None,
+    ) -> torch.Tensor | None:
+        """Forward pass, then float32 logits (on CPU) of the flattened batch's `rows` (None: every row).
+
+        The seam a multi-device executor overrides (kvforge/distributed/executor.py runs it on its ranks)."""
+        hidden = self.model(input_ids, positions, self.caches, meta)
+        if rows is not None:
+            if not rows:
+                return None
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        return self.model.compute_logits(hidden).cpu()
+
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
@@ -145,5 +161,6 @@ class ModelRunner:
         """Logits [T, V] for every token of `req`, whose blocks are already allocated (scoring/perplexity)."""
         chunk = ScheduledChunk(req, 0, req.num_tokens)
         input_ids, positions, meta, _ = self.prepare([chunk])
-        hidden = self.model(input_ids, positions, self.caches, meta)
-        return self.model.compute_logits(hidden).cpu()
+        logits = self._forward_logits(input_ids, positions, meta, None)
+        assert logits is not None
+        return logits

@@ -42,6 +42,7 @@ class StartupReport:
     groups: list[KVGroup] = field(default_factory=list)  # hybrid models: one pool per group, full attention first
     attention: str = ""  # the attention backend in use, fallbacks named
     linear: str = ""  # how linear layers run (oneDNN packing on CPU)
+    parallel: list[tuple[str, str]] = field(default_factory=list)  # tensor parallelism: per-device rows
 
     @property
     def token_capacity(self) -> int:
@@ -68,6 +69,7 @@ class StartupReport:
             ("scheduler", f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"),
             *((("attention", self.attention),) if self.attention else ()),
             *((("linear layers", self.linear),) if self.linear else ()),
+            *self.parallel,
         ]
         width = max(len(k) for k, _ in rows)
         return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
