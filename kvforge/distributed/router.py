@@ -163,10 +163,11 @@ class KVAffinityRouter:
         state.routed += 1
         state.matched_blocks += d.matched_blocks
         state.prompt_blocks += len(hashes)
-        expiry = self.clock() + self.config.pending_ttl
-        for h in hashes:
-            if h not in state.blocks:
-                state.pending[h] = expiry
+        if self.config.pending_ttl > 0:
+            expiry = self.clock() + self.config.pending_ttl
+            for h in hashes:
+                if h not in state.blocks:
+                    state.pending[h] = expiry
         self.decisions[d.kind] += 1
         return d
 
