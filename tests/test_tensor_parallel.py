@@ -16,8 +16,8 @@ from kvforge import LLM, SamplingParams
 from kvforge.distributed.executor import RankFailure
 from tiny_models import build_tiny_model
 
-PROMPTS = [[(7 * i + 3 * j) % 250 for j in range(18 + 7 * i)] for i in range(4)]
-PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 250 for j in range(6 + 5 * i)] for i in range(4)]
+PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 ENGINE = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, attention_backend="torch")
 
 

@@ -158,7 +158,14 @@ class KVAffinityRouter:
     def route(self, hashes: Sequence[bytes], exclude: Iterable[ReplicaId] = ()) -> Decision:
         """Choose a replica and record it: counts, in-flight load, the prompt's blocks as pending there."""
         d = self.choose(hashes, exclude)
-        state = self.replicas[d.replica]
+        self.record(d, hashes)
+        return d
+
+    def record(self, d: Decision, hashes: Sequence[bytes]) -> None:
+        """Account a request sent to `d.replica` (which a caller may have overridden after `choose`)."""
+        state = self.replicas.get(d.replica)
+        if state is None:
+            return
         state.inflight += 1
         state.routed += 1
         state.matched_blocks += d.matched_blocks
@@ -169,7 +176,6 @@ class KVAffinityRouter:
                 if h not in state.blocks:
                     state.pending[h] = expiry
         self.decisions[d.kind] += 1
-        return d
 
     def stats(self) -> dict:
         """Per-replica view for /metrics: routed requests, in-flight, held blocks, expected hit rate."""

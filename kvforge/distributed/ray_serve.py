@@ -1,0 +1,331 @@
+"""kvforge replicas on Ray Serve, routed by what each replica really has in its KV cache.
+
+Two deployments (optional extra `kvforge[ray]`):
+- `KVForgeIngress` (one replica, no CPU reserved): the OpenAI API of `kvforge serve`. It validates a
+  request (400 naming the field, as the single server does), tokenizes the prompt once, computes its
+  block hash chain (`kvforge.kv.hashing`, the replicas' own) and calls the server deployment.
+- `KVForgeServer` (N replicas, 1 CPU each): one kvforge engine each, serving requests with the same
+  code as `kvforge serve` (`OpenAIServing`). `record_routing_stats` (polled by Ray Serve) reports the
+  block hashes its prefix index holds, its running/waiting requests, KV utilisation and hit counters.
+
+Routing uses Ray Serve's request-router API: `KVAffinityRequestRouter` runs inside the ingress's
+deployment handle. It turns each replica's reported hash set into stored/evicted events (diff with
+the previous report) for the torch-free `KVAffinityRouter` and ranks the replica holding the longest
+prefix first, unless it is overloaded (thresholds: `RouterConfig`). Dead replicas leave the candidate
+set (Ray Serve reports them) and their blocks with them. `/metrics` on the ingress adds per-replica hit
+rates and the routing decisions (affinity, load fallback, no prefix) to Prometheus text.
+
+Loopback by default: `kvforge serve --replicas N` starts a local Ray bound to 127.0.0.1 with the
+dashboard and usage stats off; `--ray-address auto` joins an existing cluster instead.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from kvforge.distributed.router import Decision, KVAffinityRouter, RouterConfig
+from kvforge.kv.hashing import extend_block_hashes
+from kvforge.server.app import DEFAULT_MAX_REQUEST_BYTES, read_json
+from kvforge.server.protocol import APIError, GenerationRequest, parse_chat_request, parse_completion_request
+
+HASH_BYTES = 16  # hashes travel truncated: routing only; the engine confirms every hit by token ids
+ROUTERS: list["KVAffinityRequestRouter"] = []  # routers living in this process (the ingress's handle)
+REPLICA_HEADER = "x-kvforge-replica"
+
+
+def routing_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    return [h[:HASH_BYTES] for h in extend_block_hashes([], token_ids, block_size, (cache_salt,) if cache_salt else ())]
+
+
+# ---- the request router (runs in the process holding the deployment handle) --------------------
+
+class KVAffinityRequestRouter(RequestRouter):
+    """Ray Serve request router: the replica holding the longest block-hash prefix, within a load guard."""
+
+    def initialize_state(self, max_load_ratio: float = RouterConfig.max_load_ratio,
+                         max_load_diff: float = RouterConfig.max_load_diff,
+                         pending_ttl: float = RouterConfig.pending_ttl) -> None:
+        self.kv = KVAffinityRouter(RouterConfig(max_load_ratio, max_load_diff, pending_ttl))
+        self.reported: dict[str, tuple[Any, set]] = {}  # replica -> (stats version, hashes)
+        self.replica_stats: dict[str, dict] = {}
+        self.inflight_decisions: dict[int, tuple[Decision, list[bytes]]] = {}
+        ROUTERS.append(self)
+
+    def _sync(self, candidates: list[RunningReplica]) -> None:
+        for replica in candidates:
+            rid = replica.replica_id.unique_id
+            self.kv.add_replica(rid)
+            stats = replica.routing_stats or {}
+            version = stats.get("version")
+            if version is None or self.reported.get(rid, (None,))[0] == version:
+                continue
+            new = set(stats.get("hashes", ()))
+            old = self.reported.get(rid, (None, set()))[1]
+            self.kv.on_events(rid, stored=new - old, evicted=old - new)
+            self.kv.on_load(rid, int(stats.get("running", 0)), int(stats.get("waiting", 0)),
+                            float(stats.get("kv_usage", 0.0)))
+            self.reported[rid] = (version, new)
+            self.replica_stats[rid] = {k: v for k, v in stats.items() if k != "hashes"}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        self._sync(candidate_replicas)
+        hashes = _request_hashes(pending_request)
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        decision = self.kv.choose(hashes, exclude=[r for r in self.kv.replicas if r not in by_id])
+        if pending_request is not None:
+            self.inflight_decisions[id(pending_request)] = (decision, hashes)
+        first = by_id[decision.replica]
+        return [[first], [r for r in candidate_replicas if r is not first]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        decision, hashes = self.inflight_decisions.pop(id(pending_request), (None, []))
+        rid = replica_id.unique_id
+        if decision is None:
+            return
+        if decision.replica != rid:  # Ray sent it elsewhere (the chosen one was full): account it there
+            decision = Decision(rid, decision.kind, self.kv.prefix_match(rid, hashes) if rid in self.kv.replicas else 0)
+        self.kv.record(decision, hashes)
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        self.kv.finished(replica_id.unique_id)
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.kv.remove_replica(replica_id.unique_id)
+        self.reported.pop(replica_id.unique_id, None)
+        self.replica_stats.pop(replica_id.unique_id, None)
+
+
+def _request_hashes(pending: PendingRequest | None) -> list[bytes]:
+    """The block hashes the ingress attached to the call (third positional argument)."""
+    if pending is None or len(pending.args) < 3 or not isinstance(pending.args[2], dict):
+        return []
+    return list(pending.args[2].get("block_hashes", ()))
+
+
+# ---- the engine replicas ---------------------------------------------------------------------
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+class KVForgeServer:
+    """One kvforge engine, serving parsed OpenAI requests with `kvforge serve`'s own code."""
+
+    def __init__(self, engine_kwargs: dict, model_name: str) -> None:
+        from kvforge.engine.args import EngineArgs
+        from kvforge.engine.engine import LLMEngine
+        from kvforge.server.async_engine import AsyncEngine
+        from kvforge.server.serving import OpenAIServing
+
+        self.engine = AsyncEngine(LLMEngine(EngineArgs(**{"log_ledger": False, **engine_kwargs}))).start()
+        self.serving = OpenAIServing(self.engine, model_name)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # outside Serve (tests of the class itself)
+            self.replica_id = f"pid-{os.getpid()}"
+        self.version = 0
+
+    async def record_routing_stats(self) -> dict:
+        """What the router needs, read on the engine thread between steps (a consistent view)."""
+        def read(engine: Any) -> dict:
+            stats = engine.kv.stats
+            return {"hashes": [h[:HASH_BYTES] for h in engine.pool.cached], "running": len(engine.scheduler.running),
+                    "waiting": len(engine.scheduler.waiting), "kv_usage": engine.pool.usage,
+                    "prefix_queries": stats.queries, "prefix_hits": stats.hits}
+        out = await self.engine.call(read)
+        self.version += 1
+        return {**out, "version": (self.replica_id, self.version), "replica": self.replica_id, "time": time.time()}
+
+    def _parse(self, kind: str, body: Any) -> GenerationRequest:
+        return parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+
+    async def generate(self, kind: str, body: Any, routing: dict) -> dict:
+        try:
+            req = self._parse(kind, body)
+            base, subs = self.serving.prepare(req)
+            group = await self.serving.submit(req, subs)
+            try:
+                result = await self.serving.complete(req, base, subs, group)
+            except BaseException:
+                group.abort()
+                raise
+            return {"status": 200, "body": result, "replica": self.replica_id}
+        except APIError as exc:
+            return {"status": exc.status, "body": exc.body(), "replica": self.replica_id}
+
+    async def generate_stream(self, kind: str, body: Any, routing: dict):  # type: ignore[no-untyped-def]
+        """Yields the replica id first, then the SSE lines `kvforge serve` would send."""
+        yield self.replica_id
+        req = self._parse(kind, body)
+        base, subs = self.serving.prepare(req)
+        group = await self.serving.submit(req, subs)
+        try:
+            async for line in self.serving.stream(req, base, subs, group):
+                yield line
+        finally:
+            group.abort()
+
+    def check_health(self) -> None:
+        if not self.engine.alive:
+            raise RuntimeError("the kvforge engine is not running")
+
+
+# ---- the OpenAI front ------------------------------------------------------------------------
+
+api = FastAPI(title="kvforge (Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(api)
+class KVForgeIngress:
+    def __init__(self, server: Any, model: str | None, model_name: str, block_size: int) -> None:
+        from kvforge.models.loader import load_checkpoint
+
+        self.server, self.model_name, self.block_size = server, model_name, block_size
+        self.tokenizer = load_checkpoint(model).tokenizer  # the replicas' tokenizer: same ids, same hashes
+        self.created = int(time.time())
+
+    def _hashes(self, req: GenerationRequest) -> list[bytes]:
+        from kvforge.server.serving import OpenAIServing
+
+        prompts = OpenAIServing._tokenize(SimpleNamespace(tokenizer=self.tokenizer), req)  # type: ignore[arg-type]
+        return routing_hashes(prompts[0][1], self.block_size) if prompts else []
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        try:
+            body = await read_json(request, DEFAULT_MAX_REQUEST_BYTES)
+            req = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+            routing = {"block_hashes": self._hashes(req)}
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        if req.stream:
+            gen = self.server.options(stream=True).generate_stream.remote(kind, body, routing)
+            replica = await gen.__anext__()
+
+            async def lines():  # type: ignore[no-untyped-def]
+                async for line in gen:
+                    yield line
+            return StreamingResponse(lines(), media_type="text/event-stream", headers={REPLICA_HEADER: replica})
+        out = await self.server.generate.remote(kind, body, routing)
+        return JSONResponse(out["body"], status_code=out["status"], headers={REPLICA_HEADER: out["replica"]})
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvforge"}
+        return {"object": "list", "data": [card]}
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        return PlainTextResponse(render_router_metrics(ROUTERS), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def render_router_metrics(routers: list[KVAffinityRequestRouter]) -> str:
+    """Prometheus text: routing decisions and, per replica, prefix-cache hit rate, load and routed requests."""
+    lines = ["# HELP kvforge_router_decisions_total Requests routed, by decision (affinity, load_fallback, no_prefix).",
+             "# TYPE kvforge_router_decisions_total counter"]
+    decisions: dict[str, int] = {}
+    replicas: dict[str, dict] = {}
+    for r in routers:
+        for kind, n in r.kv.decisions.items():
+            decisions[kind] = decisions.get(kind, 0) + n
+        view = r.kv.stats()["replicas"]
+        for rid, stats in r.replica_stats.items():
+            replicas[rid] = {**stats, **view.get(rid, {})}
+    lines += [f'kvforge_router_decisions_total{{decision="{k}"}} {v}' for k, v in sorted(decisions.items())]
+    series = [
+        ("kvforge_replica_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, as the replica reported.",
+         lambda s: s.get("prefix_hits", 0) / s["prefix_queries"] if s.get("prefix_queries") else 0.0),
+        ("kvforge_replica_routed_requests_total", "counter", "Requests this router sent to the replica.",
+         lambda s: s.get("routed", 0)),
+        ("kvforge_replica_cached_blocks", "gauge", "Block hashes the replica holds (router's view).",
+         lambda s: s.get("blocks", 0)),
+        ("kvforge_replica_running", "gauge", "Running requests, as last reported.", lambda s: s.get("running", 0)),
+        ("kvforge_replica_kv_usage", "gauge", "KV cache utilisation, as last reported.", lambda s: s.get("kv_usage", 0)),
+    ]
+    for name, kind, help_text, fn in series:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{replica="{rid}"}} {float(fn(s)):g}' for rid, s in sorted(replicas.items())]
+    return "\n".join(lines) + "\n"
+
+
+# ---- building and running the application -----------------------------------------------------
+
+def build_app(engine_kwargs: dict, model_name: str, num_replicas: int = 2,
+              router_kwargs: dict | None = None, stats_period_s: float = 0.5,
+              router_class: Any = KVAffinityRequestRouter) -> Any:
+    """The Serve application; `router_class=None` keeps Ray Serve's default (power of two choices)."""
+    from ray.serve.config import RequestRouterConfig
+
+    options: dict[str, Any] = {"num_replicas": num_replicas}
+    if router_class is not None:
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=router_class, request_router_kwargs=router_kwargs or {},
+            request_routing_stats_period_s=stats_period_s, request_routing_stats_timeout_s=max(5.0, stats_period_s),
+        )
+    server = KVForgeServer.options(**options).bind(engine_kwargs, model_name)
+    return KVForgeIngress.bind(server, engine_kwargs.get("model"), model_name, int(engine_kwargs.get("block_size", 16)))
+
+
+def app_builder(args: dict) -> Any:
+    """For `serve run kvforge.distributed.ray_serve:app_builder model=PATH replicas=2 block_size=16 ...`."""
+    args = dict(args)
+    replicas = int(args.pop("replicas", 2))
+    name = args.pop("served_model_name", None) or os.path.basename(str(args.get("model") or "SmolLM2-135M-Instruct"))
+    router = {k: float(args.pop(k)) for k in ("max_load_ratio", "max_load_diff", "pending_ttl") if k in args}
+    engine = {k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in args.items()}
+    return build_app(engine, name, replicas, router)
+
+
+def init_local_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Join `address` ("auto": the running cluster), or start a local Ray bound to loopback, no dashboard."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus, log_to_driver=False)
+
+
+def run_replicas(args: Any, engine_kwargs: dict, model_name: str) -> int:
+    """`kvforge serve --replicas N [--ray-address auto]`: deploy, print the URL, serve until interrupted."""
+    init_local_ray(args.ray_address, None)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(engine_kwargs, model_name, args.replicas), name="kvforge", route_prefix="/")
+    print(f"kvforge serve: '{model_name}' x {args.replicas} replicas (Ray Serve, KV-affinity routing) on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
+
+
+__all__ = ["KVAffinityRequestRouter", "KVForgeIngress", "KVForgeServer", "app_builder", "build_app",
+           "render_router_metrics", "routing_hashes", "asyncio"]
