@@ -306,8 +306,15 @@ def init_local_ray(address: str | None = None, num_cpus: int | None = None) -> N
         return
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus, log_to_driver=False)
+        return
+    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register: an overloaded host can miss it
+        try:
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus, log_to_driver=False)
+            return
+        except Exception as exc:  # noqa: BLE001 - ray raises a bare Exception for this
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            ray.shutdown()
 
 
 def run_replicas(args: Any, engine_kwargs: dict, model_name: str) -> int:

@@ -21,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger bodies get HTTP 413 (default 4 MiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--replicas", type=int, default=None,
+                   help="serve N engine replicas on Ray Serve, routed by their KV caches (needs kvforge[ray])")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: Ray cluster to join ('auto' = the running one); default: a local Ray on loopback")
     add_engine_cli_args(p)
     p.set_defaults(func=run)
 
@@ -48,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be >= 1024, got {args.max_request_bytes}")
     engine_args = engine_args_from_cli(args)  # validates the engine flags before the slow model load
+    if args.replicas is not None or args.ray_address is not None:
+        return _run_replicas(args, engine_args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or served_model_name(args.model)
     engine = AsyncEngine(LLMEngine(engine_args)).start()
@@ -58,3 +64,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _run_replicas(args: argparse.Namespace, engine_args: object) -> int:
+    """`--replicas N`: the same OpenAI API on Ray Serve (kvforge/distributed/ray_serve.py)."""
+    if args.replicas is None or args.replicas < 1:
+        raise ValueError(f"--replicas must be a positive integer (required with --ray-address), got {args.replicas}")
+    if args.api_key or os.environ.get("KVFORGE_API_KEY"):
+        raise ValueError("--api-key is not supported with --replicas yet; put the Ray Serve proxy behind your gateway")
+    try:
+        from kvforge.distributed.ray_serve import run_replicas
+    except ImportError as exc:
+        raise ValueError(f"--replicas needs Ray Serve: pip install 'kvforge[ray]' ({exc})") from None
+    engine = {k: v for k, v in engine_args.to_dict().items() if k != "log_ledger"}  # type: ignore[attr-defined]
+    return run_replicas(args, engine, args.served_model_name or served_model_name(args.model))
