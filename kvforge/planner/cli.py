@@ -51,6 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, help="sample prompts (.json, .jsonl or text) for the prefix-cache lint")
     p.add_argument("--offload-bandwidth", default=None, help="host link for KV offload, e.g. 32GB/s (PCIe 4.0 x16)")
     p.add_argument("--hbm-bandwidth", default="2TB/s", help="GPU memory bandwidth for decode-time estimates")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="devices the model is sharded over: KV, weights and capacity per device, KV replication")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw KV memory and concurrency vs context length")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -68,7 +70,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         seq_len=args.seq_len, batch=args.batch, block_size=args.block_size, gpu_memory=gpu,
         memory_utilization=args.memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, avg_seq_len=args.avg_seq_len,
-        attention=args.attention,
+        attention=args.attention, tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
