@@ -307,6 +307,11 @@ def init_local_ray(address: str | None = None, num_cpus: int | None = None) -> N
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
         return
+    # On Linux Ray rewrites a loopback node address into the host's routable one (resolve_ip_for_localhost),
+    # so the raylet and dashboard agent would listen there; this flag keeps a local cluster on 127.0.0.1.
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
     for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register: an overloaded host can miss it
         try:
             ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=num_cpus, log_to_driver=False)
