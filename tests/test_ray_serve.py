@@ -83,3 +83,12 @@ def test_shared_prefix_lands_on_holder_and_dead_replica_is_routed_around(deploym
     time.sleep(1.0)
     served = [_ask(client, SYSTEM + f"After the kill {i}?")[0] for i in range(3)]
     assert holder not in served
+
+
+def test_bad_replica_flags_exit_2(capsys):
+    from kvforge.cli import main
+
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "--replicas" in capsys.readouterr().err
+    assert main(["serve", "--ray-address", "auto"]) == 2  # joining a cluster needs a replica count
+    assert "--replicas" in capsys.readouterr().err

@@ -152,7 +152,12 @@ class TensorParallelRunner(ModelRunner):
         self._copies: list | None = None
 
     def _copy_blocks(self, by_group: list) -> None:
-        self._copies = by_group  # applied by every rank before its next forward pass
+        """Queued for every rank's next forward pass (in order, even across steps that ran no model)."""
+        if self._copies is None:
+            self._copies = [list(pairs) for pairs in by_group]
+        else:
+            for pending, pairs in zip(self._copies, by_group):
+                pending.extend(pairs)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                         rows: list[int] | None) -> torch.Tensor | None:

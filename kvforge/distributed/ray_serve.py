@@ -18,7 +18,6 @@ rates and the routing decisions (affinity, load fallback, no prefix) to Promethe
 Loopback by default: `kvforge serve --replicas N` starts a local Ray bound to 127.0.0.1 with the
 dashboard and usage stats off; `--ray-address auto` joins an existing cluster instead.
 """
-from __future__ import annotations
 
 import asyncio
 import os
