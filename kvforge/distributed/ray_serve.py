@@ -74,6 +74,11 @@ class KVAffinityRequestRouter(RequestRouter):
             self.reported[rid] = (version, new)
             self.replica_stats[rid] = {k: v for k, v in stats.items() if k != "hashes"}
 
+    def refresh(self) -> None:
+        """Fold in the replicas' latest reports without routing anything (for /metrics)."""
+        replicas = getattr(self, "curr_replicas", None) or {}
+        self._sync(list(replicas.values()))
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
@@ -236,7 +241,12 @@ class KVForgeIngress:
 
     @api.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        return PlainTextResponse(render_router_metrics(ROUTERS), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # serve.ingress pickles this class when it is defined: reach the live module (and the routers that the
+        # deployment handle created in this process) through an import, not through captured globals
+        from kvforge.distributed import ray_serve
+
+        text = ray_serve.render_router_metrics(ray_serve.ROUTERS)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def render_router_metrics(routers: list[KVAffinityRequestRouter]) -> str:
@@ -246,6 +256,7 @@ def render_router_metrics(routers: list[KVAffinityRequestRouter]) -> str:
     decisions: dict[str, int] = {}
     replicas: dict[str, dict] = {}
     for r in routers:
+        r.refresh()
         for kind, n in r.kv.decisions.items():
             decisions[kind] = decisions.get(kind, 0) + n
         view = r.kv.stats()["replicas"]
