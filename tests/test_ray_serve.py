@@ -59,7 +59,7 @@ def _wait_reported(base, blocks, timeout=20.0):
                for line in text.splitlines()):
             return text
         time.sleep(0.2)
-    raise AssertionError("replicas never reported their blocks")
+    raise AssertionError(f"replicas never reported their blocks:\n{text}")
 
 
 def test_shared_prefix_lands_on_holder_and_dead_replica_is_routed_around(deployment):

@@ -51,28 +51,57 @@ class KVAffinityRequestRouter(RequestRouter):
 
     def initialize_state(self, max_load_ratio: float = RouterConfig.max_load_ratio,
                          max_load_diff: float = RouterConfig.max_load_diff,
-                         pending_ttl: float = RouterConfig.pending_ttl) -> None:
+                         pending_ttl: float = RouterConfig.pending_ttl, stats_period_s: float = 0.5) -> None:
         self.kv = KVAffinityRouter(RouterConfig(max_load_ratio, max_load_diff, pending_ttl))
         self.reported: dict[str, tuple[Any, set]] = {}  # replica -> (stats version, hashes)
         self.replica_stats: dict[str, dict] = {}
         self.inflight_decisions: dict[int, tuple[Decision, list[bytes]]] = {}
+        self.stats_period_s = stats_period_s
+        self._actors: dict[str, Any] = {}
+        self._poller: asyncio.Task | None = None
         ROUTERS.append(self)
+
+    def _ingest(self, rid: str, stats: dict | None) -> None:
+        """One report of a replica: its hash set becomes stored/evicted events (diff with the last one)."""
+        stats = stats or {}
+        version = stats.get("version")
+        if version is None or self.reported.get(rid, (None,))[0] == version or rid not in self.kv.replicas:
+            return
+        new = set(stats.get("hashes", ()))
+        old = self.reported.get(rid, (None, set()))[1]
+        self.kv.on_events(rid, stored=new - old, evicted=old - new)
+        self.kv.on_load(rid, int(stats.get("running", 0)), int(stats.get("waiting", 0)),
+                        float(stats.get("kv_usage", 0.0)))
+        self.reported[rid] = (version, new)
+        self.replica_stats[rid] = {k: v for k, v in stats.items() if k != "hashes"}
 
     def _sync(self, candidates: list[RunningReplica]) -> None:
         for replica in candidates:
             rid = replica.replica_id.unique_id
             self.kv.add_replica(rid)
-            stats = replica.routing_stats or {}
-            version = stats.get("version")
-            if version is None or self.reported.get(rid, (None,))[0] == version:
-                continue
-            new = set(stats.get("hashes", ()))
-            old = self.reported.get(rid, (None, set()))[1]
-            self.kv.on_events(rid, stored=new - old, evicted=old - new)
-            self.kv.on_load(rid, int(stats.get("running", 0)), int(stats.get("waiting", 0)),
-                            float(stats.get("kv_usage", 0.0)))
-            self.reported[rid] = (version, new)
-            self.replica_stats[rid] = {k: v for k, v in stats.items() if k != "hashes"}
+            self._ingest(rid, replica.routing_stats)
+
+    async def _poll_stats(self) -> None:
+        """Ask every replica for its report each period. Ray Serve also collects `record_routing_stats`, but
+        (2.60) hands the result to routers only when the replica set changes, too late for block events."""
+        import ray
+        from ray.serve._private.constants import SERVE_NAMESPACE
+
+        while True:
+            for replica in list((getattr(self, "curr_replicas", None) or {}).values()):
+                rid = replica.replica_id.unique_id
+                try:
+                    actor = self._actors.get(rid)
+                    if actor is None:
+                        actor = self._actors[rid] = ray.get_actor(replica._replica_info.actor_name,
+                                                                  namespace=SERVE_NAMESPACE)
+                    stats = await asyncio.wait_for(actor.record_routing_stats.remote(), timeout=10)
+                except Exception:  # noqa: BLE001 - a dead or busy replica: Serve reports deaths separately
+                    self._actors.pop(rid, None)
+                    continue
+                self.kv.add_replica(rid)
+                self._ingest(rid, stats)
+            await asyncio.sleep(self.stats_period_s)
 
     def refresh(self) -> None:
         """Fold in the replicas' latest reports without routing anything (for /metrics)."""
@@ -83,6 +112,8 @@ class KVAffinityRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_stats())
         self._sync(candidate_replicas)
         hashes = _request_hashes(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
@@ -107,6 +138,7 @@ class KVAffinityRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: Any) -> None:
         super().on_replica_actor_died(replica_id)
         self.kv.remove_replica(replica_id.unique_id)
+        self._actors.pop(replica_id.unique_id, None)
         self.reported.pop(replica_id.unique_id, None)
         self.replica_stats.pop(replica_id.unique_id, None)
 
@@ -263,6 +295,9 @@ def render_router_metrics(routers: list[KVAffinityRequestRouter]) -> str:
         for rid, stats in r.replica_stats.items():
             replicas[rid] = {**stats, **view.get(rid, {})}
     lines += [f'kvforge_router_decisions_total{{decision="{k}"}} {v}' for k, v in sorted(decisions.items())]
+    reports = sum(len(r.reported) for r in routers)
+    lines += ["# HELP kvforge_router_replica_reports Replicas whose routing stats the routers have received.",
+              "# TYPE kvforge_router_replica_reports gauge", f"kvforge_router_replica_reports {reports}"]
     series = [
         ("kvforge_replica_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, as the replica reported.",
          lambda s: s.get("prefix_hits", 0) / s["prefix_queries"] if s.get("prefix_queries") else 0.0),
@@ -290,7 +325,9 @@ def build_app(engine_kwargs: dict, model_name: str, num_replicas: int = 2,
     options: dict[str, Any] = {"num_replicas": num_replicas}
     if router_class is not None:
         options["request_router_config"] = RequestRouterConfig(
-            request_router_class=router_class, request_router_kwargs=router_kwargs or {},
+            request_router_class=router_class,
+            request_router_kwargs=({"stats_period_s": stats_period_s, **(router_kwargs or {})}
+                                   if router_class is KVAffinityRequestRouter else router_kwargs or {}),
             request_routing_stats_period_s=stats_period_s, request_routing_stats_timeout_s=max(5.0, stats_period_s),
         )
     server = KVForgeServer.options(**options).bind(engine_kwargs, model_name)
