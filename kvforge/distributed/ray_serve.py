@@ -20,6 +20,7 @@ dashboard and usage stats off; `--ray-address auto` joins an existing cluster in
 """
 
 import asyncio
+import logging
 import os
 import time
 from types import SimpleNamespace
@@ -59,7 +60,11 @@ class KVAffinityRequestRouter(RequestRouter):
         self.stats_period_s = stats_period_s
         self._actors: dict[str, Any] = {}
         self._poller: asyncio.Task | None = None
-        ROUTERS.append(self)
+        # Ray Serve pickles a request-router class by value, globals included: register with the live module
+        from kvforge.distributed import ray_serve
+
+        ray_serve.ROUTERS.append(self)
+        logging.getLogger("ray.serve").info("kvforge KV-affinity request router ready (%s)", self.kv.config)
 
     def _ingest(self, rid: str, stats: dict | None) -> None:
         """One report of a replica: its hash set becomes stored/evicted events (diff with the last one)."""
