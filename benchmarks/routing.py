@@ -148,10 +148,9 @@ def routing_part(args) -> list[dict]:
     import ray
     from ray import serve
 
-    from kvforge.distributed.ray_serve import KVAffinityRequestRouter, build_app, init_local_ray
-    from kvforge.models.loader import load_checkpoint
+    from kvforge.distributed.ray_serve import KVAffinityRequestRouter, build_app, init_local_ray, load_tokenizer
 
-    tokenizer = load_checkpoint(args.model).tokenizer
+    tokenizer = load_tokenizer(args.model)
     items = workload(args, tokenizer)
     init_local_ray(None, num_cpus=2)
     port = free_port()

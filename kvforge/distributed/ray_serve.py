@@ -45,6 +45,19 @@ def routing_hashes(token_ids: list[int], block_size: int, cache_salt: str | None
     return [h[:HASH_BYTES] for h in extend_block_hashes([], token_ids, block_size, (cache_salt,) if cache_salt else ())]
 
 
+def load_tokenizer(model: str | None) -> Any:
+    """The model's tokenizer without its weights (the front only tokenizes)."""
+    from kvforge.models.loader import DEFAULT_MODEL_NAME, default_model_path
+    from kvforge.tokenizer import Tokenizer
+
+    path = default_model_path() if model in (None, DEFAULT_MODEL_NAME) else os.fspath(model)  # type: ignore[arg-type]
+    if os.path.isdir(path):
+        return Tokenizer.from_dir(path)
+    from gguf import GGUFReader
+
+    return Tokenizer.from_gguf(GGUFReader(path))
+
+
 # ---- the request router (runs in the process holding the deployment handle) --------------------
 
 class KVAffinityRequestRouter(RequestRouter):
@@ -229,10 +242,8 @@ api = FastAPI(title="kvforge (Ray Serve)", docs_url=None, redoc_url=None, openap
 @serve.ingress(api)
 class KVForgeIngress:
     def __init__(self, server: Any, model: str | None, model_name: str, block_size: int) -> None:
-        from kvforge.models.loader import load_checkpoint
-
         self.server, self.model_name, self.block_size = server, model_name, block_size
-        self.tokenizer = load_checkpoint(model).tokenizer  # the replicas' tokenizer: same ids, same hashes
+        self.tokenizer = load_tokenizer(model)  # the replicas' tokenizer: same ids, same hashes
         self.created = int(time.time())
 
     def _hashes(self, req: GenerationRequest) -> list[bytes]:
