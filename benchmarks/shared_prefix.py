@@ -51,11 +51,12 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_once(llm, prompts: list[list[int]], output_len: int, caching: bool) -> dict:
     from kvforge import SamplingParams
-    from kvforge.kv.manager import PrefixCacheStats
+    from kvforge.kv.stats import PrefixCacheStats
 
     engine = llm.engine
     engine.reset_prefix_cache()
-    engine.pool.enable_caching = caching
+    for pool in engine.kv.pools:
+        pool.enable_caching = caching
     engine.kv.stats = PrefixCacheStats()
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()

@@ -6,14 +6,34 @@ allowed range. Pure Python (no torch): the planner and scheduler use it too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvforge.ledger import KVCacheFormat, KVShape, parse_bytes
+from kvforge import hf_config
+from kvforge.flags import option
+from kvforge.ledger import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, KVCacheFormat, KVShape, parse_bytes,
+)
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+if TYPE_CHECKING:
+    import torch
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # model (compute) dtypes
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # llama-like layers with RMSNorm on q and k per head
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")  # kvforge.attention implements them
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # "fp8" is an alias of fp8_e4m3
 KV_CACHE_SCALES = ("token", "head", "channel", "tensor")  # channel: K only, V falls back to token
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a model dtype name. torch is imported here, on call, so config stays torch-free."""
+    import torch
+
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {name!r}")
+    return dtypes[name]
 
 
 @dataclass(slots=True)
@@ -36,6 +56,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
     hidden_act: str = "silu"
     sliding_windows: tuple[int | None, ...] = ()
     mla_latent_dim: int = 0  # MLA (DeepSeek-V2/V3): kv_lora_rank + qk_rope_head_dim cached per token per layer
@@ -45,18 +66,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
+        """Read through `kvforge.hf_config`, the reader the planner uses too (text_config, layer_types...)."""
+        cfg = hf_config.text_config(cfg)
         model_type = cfg.get("model_type", "llama")
-        arch = archs[0] if archs else {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-            model_type, "LlamaForCausalLM"
-        )
-        num_heads = int(cfg["num_attention_heads"])
+        arch = hf_config.architecture(cfg)
         hidden = int(cfg["hidden_size"])
-        num_kv = cfg.get("num_key_value_heads")
-        num_kv = num_heads if num_kv is None else int(num_kv)
-        head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_heads = int(cfg["num_attention_heads"])
+        num_kv = hf_config.num_kv_heads(cfg)
+        head_dim = hf_config.head_dim(cfg)
         n_layers = int(cfg["num_hidden_layers"])
-        windows = _sliding_windows(cfg, model_type, n_layers)
+        windows = hf_config.layer_windows(cfg)
         rope = dict(cfg.get("rope_parameters") or {})
         rope_theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
@@ -82,6 +101,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type in QK_NORM_FAMILIES,
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_windows=windows,
             mla_latent_dim=int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"]) if cfg.get("kv_lora_rank") else 0,
@@ -102,43 +122,30 @@ class ModelConfig:
         With one block table for every layer a block is dead only when no layer can see it:
         that needs every layer windowed (the widest window decides), as in
         `ledger.kv_cache_groups`. Hybrid local/global models (Gemma 2/3) get one table per
-        window group instead (`kvforge.kv.hybrid`), so None here.
+        window group instead (`kvforge.kv.coordinator`), so None here.
         """
         if not self.sliding_windows or any(w is None for w in self.sliding_windows):
             return None
         return max(w for w in self.sliding_windows if w is not None)
 
 
-def _sliding_windows(cfg: dict[str, Any], model_type: str, n_layers: int) -> tuple[int | None, ...]:
-    """Per-layer window sizes (None = full attention) from any of the HF spellings."""
-    window = cfg.get("sliding_window")
-    if not window or (model_type == "qwen2" and not cfg.get("use_sliding_window", False)):
-        return ()
-    layer_types = cfg.get("layer_types")
-    if layer_types and model_type != "qwen2":
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    if model_type.startswith("gemma3"):  # older configs: `sliding_window_pattern - 1` local layers, then a global
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        return tuple(int(window) if (i + 1) % pattern else None for i in range(n_layers))
-    if model_type == "gemma2":  # alternating, starting with a local layer
-        return tuple(int(window) if (i + 1) % 2 else None for i in range(n_layers))
-    max_window_layers = cfg.get("max_window_layers", n_layers) if model_type == "qwen2" else n_layers
-    # Qwen2 applies the window from layer max_window_layers upwards.
-    if model_type == "qwen2":
-        return tuple(int(window) if i >= max_window_layers else None for i in range(n_layers))
-    return tuple(int(window) for _ in range(n_layers))
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    k_cache_dtype: str | None = None  # overrides kv_cache_dtype for K alone (None: kv_cache_dtype)
-    v_cache_dtype: str | None = None  # ... and for V alone, e.g. K "auto" + V "fp8"
-    kv_cache_scale: str = "token"  # scale granularity of quantized K/V
+    """How the KV cache is laid out and sized. Fields double as CLI flags (`kvforge.flags.option`)."""
+
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block")
+    kv_cache_memory: int | str | None = option(
+        None, "KV cache size in bytes or like 2GiB (default 1GiB unless --num-kv-blocks is given)")
+    num_kv_blocks: int | None = option(None, "exact number of KV blocks instead of a memory size")
+    kv_cache_dtype: str = option(
+        "auto", "K and V storage: auto (model dtype), 16/32-bit floats, fp8 (e4m3), fp8_e5m2, int8, int4",
+        choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = option(True, "turn prefix caching off", flag="--no-prefix-caching")
+    k_cache_dtype: str | None = option(None, "K alone (overrides --kv-cache-dtype)", choices=KV_CACHE_DTYPES)
+    v_cache_dtype: str | None = option(None, "V alone (overrides --kv-cache-dtype)", choices=KV_CACHE_DTYPES)
+    kv_cache_scale: str = option(
+        "token", "quantization scales: per token, per head, per channel (K only, per block), per tensor (static)",
+        choices=KV_CACHE_SCALES)
 
     def __post_init__(self) -> None:
         for name in ("k_cache_dtype", "v_cache_dtype"):
@@ -149,10 +156,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        memory = self.kv_cache_memory
+        if memory is None and self.num_kv_blocks is None:
+            memory = DEFAULT_KV_CACHE_MEMORY
+        # parsed here and only here: from now on an int of bytes (or None when num_kv_blocks sizes the pool)
+        object.__setattr__(self, "kv_cache_memory", None if memory is None else parse_bytes(memory, "kv_cache_memory"))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
@@ -168,14 +178,21 @@ class CacheConfig:
         return KVCacheFormat(k, v, self.kv_cache_scale if quantized else None)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int = 2048
+    """What runs in one step. Fields double as CLI flags (`kvforge.flags.option`)."""
+
+    max_num_seqs: int = option(DEFAULT_MAX_NUM_SEQS, "sequences running at once")
+    max_num_batched_tokens: int = option(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, "token budget per step (prefill chunks + decodes)")
+    # None until the engine resolves it to the model's max_position_embeddings
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.max_model_len
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {v!r}")

@@ -24,7 +24,11 @@ ELEMENT_BYTES: dict[str, float] = {
     "int4": 0.5,
 }
 SCALE_BYTES = 4  # scales are stored as float32
-DEFAULT_MAX_NUM_SEQS = 64  # the engine's scheduler defaults (EngineArgs), which size hybrid models' group pools
+# The engine's defaults, written once here (the bottom of the import graph) and used by
+# kvforge.config's CacheConfig/SchedulerConfig (hence the CLI flags), the planner and the ledger's own
+# functions; the scheduler ones size hybrid models' group pools.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZED_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
 
@@ -102,7 +106,9 @@ class KVCacheFormat:
             )
 
     @classmethod
-    def uniform(cls, dtype: str, granularity: str | None = None, *, scale_granularity: str | None = None):
+    def uniform(
+        cls, dtype: str, granularity: str | None = None, *, scale_granularity: str | None = None
+    ) -> KVCacheFormat:
         """Same dtype for K and V; quantized dtypes default to per-token scales (`scale_granularity=` is an alias)."""
         granularity = granularity or scale_granularity
         if dtype in QUANTIZED_DTYPES and granularity is None:
@@ -146,7 +152,7 @@ def _layer_block_bytes(shape: KVShape, fmt: KVCacheFormat, block_size: int) -> F
 
 
 def kv_bytes_per_token_per_layer(
-    shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> float:
     """Bytes one token occupies in one layer's cache (scales included; per-block scales amortised)."""
     if isinstance(fmt, str):
@@ -154,7 +160,7 @@ def kv_bytes_per_token_per_layer(
     return float(_layer_block_bytes(shape, fmt, block_size) / block_size)
 
 
-def kv_bytes_per_token(shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = 16) -> float:
+def kv_bytes_per_token(shape: KVShape, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """Bytes one token occupies across all layers (windowed layers counted in full)."""
     return shape.num_layers * kv_bytes_per_token_per_layer(shape, fmt, block_size)
 
@@ -169,7 +175,7 @@ def kv_bytes_per_block(shape: KVShape, block_size: int, fmt: KVCacheFormat | str
 
 
 def kv_bytes_for_sequence(
-    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> float:
     """Bytes a sequence of `seq_len` tokens holds; windowed layers hold at most their window."""
     if seq_len < 0:
@@ -196,7 +202,7 @@ def blocks_per_sequence(seq_len: int, block_size: int) -> int:
 
 
 def kv_bytes_for_sequence_paged(
-    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16
+    shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE
 ) -> int:
     """Bytes a sequence really pins in a paged pool: each layer's held tokens rounded up to whole blocks.
 
@@ -217,7 +223,7 @@ def kv_bytes_for_sequence_paged(
 
 
 def max_concurrency(
-    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = 16,
+    memory_bytes: int, shape: KVShape, seq_len: int, fmt: KVCacheFormat | str = "float16", block_size: int = DEFAULT_BLOCK_SIZE,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> int:
     """How many sequences of `seq_len` tokens fit at once in `memory_bytes` of KV memory.
@@ -234,8 +240,9 @@ def max_concurrency(
         n = num_blocks_for_memory(memory_bytes, shape, block_size, fmt)
         split = split_kv_blocks(shape, fmt, block_size, n, max_num_seqs, max_num_batched_tokens)
         return split[0].num_blocks // blocks_per_sequence(seq_len, block_size)
-    if not shape.sliding_windows:  # the block pool's own arithmetic, so the numbers agree exactly
-        return num_blocks_for_memory(memory_bytes, shape, block_size, fmt) // blocks_per_sequence(seq_len, block_size)
+    if not shape.sliding_windows:  # the block pool's own arithmetic (less its null block), so the numbers agree
+        usable = num_blocks_for_memory(memory_bytes, shape, block_size, fmt) - NULL_BLOCKS_PER_GROUP
+        return max(0, usable) // blocks_per_sequence(seq_len, block_size)
     return int(memory_bytes // kv_bytes_for_sequence_paged(shape, seq_len, fmt, block_size))
 
 
@@ -254,6 +261,11 @@ class KVGroup:
     num_blocks: int = 0
 
 
+# Each KV cache group's pool reserves one block (the null block, `kv/blocks.py`) that block tables point
+# to where a block was given back mid-request; it is a real row of the cache tensors.
+NULL_BLOCKS_PER_GROUP = 1
+
+
 def kv_cache_groups(shape: KVShape) -> list[KVGroup]:
     """Layers partitioned by window, the full-attention group first; block counts are left at 0.
 
@@ -262,7 +274,8 @@ def kv_cache_groups(shape: KVShape) -> list[KVGroup]:
     """
     windows = [shape.window_of(i) for i in range(shape.num_layers)]
     if None not in windows:
-        return [KVGroup(max(windows), tuple(range(shape.num_layers)))]  # type: ignore[type-var]
+        widest = max(w for w in windows if w is not None)  # every entry is an int here (None was ruled out)
+        return [KVGroup(widest, tuple(range(shape.num_layers)))]
     if all(w is None for w in windows):
         return [KVGroup(None, tuple(range(shape.num_layers)))]
     keys = sorted(set(windows), key=lambda w: (w is not None, w or 0))
@@ -272,7 +285,7 @@ def kv_cache_groups(shape: KVShape) -> list[KVGroup]:
 def window_block_reservation(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """The most blocks `max_num_seqs` sequences can hold at once in a group windowed at `window` tokens.
 
-    The freeing rule (`KVCacheManager._free_blocks_outside_window`, applied to every running request
+    The freeing rule (`GroupManager.release_out_of_window`, applied to every running request
     before each step's allocations) leaves a sequence with c computed tokens the blocks from
     (c - window) // B on. Scheduled for n new tokens it holds at most ceil((window + n) / B) + 1 blocks
     (the +1: c - window need not be block-aligned), <= ceil(window / B) + ceil(n / B) + 1; an
@@ -286,32 +299,35 @@ def split_kv_blocks(
     shape: KVShape, fmt: KVCacheFormat | str, block_size: int, num_blocks: int,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
 ) -> list[KVGroup]:
-    """Per-group block counts for the memory of `num_blocks` single-table blocks (the engine's pool sizes).
+    """Per-group usable block counts for the memory of `num_blocks` single-table blocks (the engine's pools).
 
-    A windowed group gets min(num_blocks, its reservation): it can never need more. Every layer's block
-    costs the same bytes, so the layer-blocks the windowed groups do not take go to the full-attention
-    group; capacity is never below the single-table design's and the total never above its bytes.
+    Each group's pool also has one reserved null block (`NULL_BLOCKS_PER_GROUP` rows per layer), taken
+    from the same memory: a plain model gets `num_blocks - 1` usable blocks. A windowed group gets
+    min(usable, its reservation): it can never need more. Every layer's block costs the same bytes, so
+    the layer-blocks the windowed groups do not take go to the full-attention group; capacity is never
+    below the single-table design's and the total never above its bytes.
     """
     groups = kv_cache_groups(shape)
+    usable = num_blocks - NULL_BLOCKS_PER_GROUP
     if len(groups) == 1:
-        return [KVGroup(groups[0].window, groups[0].layers, num_blocks)]
+        return [KVGroup(groups[0].window, groups[0].layers, usable)]
     full, *windowed = groups
     spare = 0  # layer-blocks given up by the windowed groups
     out = []
     for g in windowed:
         assert g.window is not None
-        n = min(num_blocks, window_block_reservation(g.window, block_size, max_num_seqs, max_num_batched_tokens))
-        spare += (num_blocks - n) * len(g.layers)
+        n = min(usable, window_block_reservation(g.window, block_size, max_num_seqs, max_num_batched_tokens))
+        spare += (usable - n) * len(g.layers)
         out.append(KVGroup(g.window, g.layers, n))
-    return [KVGroup(None, full.layers, num_blocks + spare // len(full.layers)), *out]
+    return [KVGroup(None, full.layers, usable + spare // len(full.layers)), *out]
 
 
 def kv_bytes_for_groups(shape: KVShape, groups: list[KVGroup], block_size: int, fmt: KVCacheFormat | str = "float16") -> int:
-    """Bytes the per-group caches allocate: each layer holds its group's blocks."""
+    """Bytes the per-group caches allocate: each layer holds its group's blocks and its null block."""
     if isinstance(fmt, str):
         fmt = KVCacheFormat.uniform(fmt)
     layer_block = _layer_block_bytes(shape, fmt, block_size)
-    return int(math.ceil(sum(len(g.layers) * g.num_blocks * layer_block for g in groups)))
+    return int(math.ceil(sum(len(g.layers) * (g.num_blocks + NULL_BLOCKS_PER_GROUP) * layer_block for g in groups)))
 
 
 

@@ -89,7 +89,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: Any) -> "Tokenizer":
         """Rebuild the tokenizer described by a `gguf.GGUFReader`'s `tokenizer.*` metadata."""
-        from kvforge.models.gguf_tokenizer import build_gguf_tokenizer  # lazy: pulls in gguf/numpy
+        from kvforge.gguf_tokenizer import build_gguf_tokenizer  # lazy: pulls in gguf/numpy
 
         backend, meta = build_gguf_tokenizer(reader)
         return cls(

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 from kvforge.engine.args import EngineArgs
@@ -47,11 +46,14 @@ def wait_idle_and_check_blocks(srv: BackgroundServer, timeout: float = 20.0) -> 
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (comments skipped)."""
+    """Prometheus text -> {'name{labels}': value}, parsed by prometheus-client's own parser (so a malformed
+    exposition fails the test); labels in the key: model_name first, then the others in written order."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            m = re.match(r"^(\S+?(?:\{.*\})?) (\S+)$", line)
-            assert m, f"malformed metrics line: {line!r}"
-            out[m.group(1)] = float(m.group(2))
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            items = sorted(s.labels.items(), key=lambda kv: kv[0] != "model_name")
+            labels = ",".join(f'{k}="{v}"' for k, v in items)
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out

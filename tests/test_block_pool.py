@@ -1,4 +1,4 @@
-"""Block pool and KV manager, scripted: exact block ids, ref counts, free-queue and eviction order.
+"""Block pool and KV coordinator (one group), scripted: exact block ids, ref counts, free-queue and eviction order.
 
 Pure Python (no model): a block size of 4 and a 10-block pool keep every id predictable.
 """
@@ -15,7 +15,8 @@ from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
 from kvforge.kv.blocks import BlockPool
 from kvforge.kv.hashing import extend_block_hashes, hash_block
-from kvforge.kv.manager import KVCacheManager
+from kvforge.kv.coordinator import KVCacheCoordinator
+from kvforge.ledger import KVGroup
 
 BS = 4
 
@@ -24,13 +25,17 @@ def _req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
     return Request(rid, list(tokens), SamplingParams(), cache_salt=salt)
 
 
-def _admit(kv: KVCacheManager, req: Request) -> list[int]:
+def _kv(num_blocks: int) -> KVCacheCoordinator:
+    return KVCacheCoordinator([KVGroup(None, (0,), num_blocks)], BS)
+
+
+def _admit(kv: KVCacheCoordinator, req: Request) -> list[int]:
     """Admission as the scheduler does it: prefix lookup, then room for the uncached rest."""
     hits, cached = kv.get_computed_blocks(req)
-    assert kv.allocate_slots(req, req.num_tokens - cached, hits) == []
+    assert kv.allocate_slots(req, req.num_tokens - cached, hits) == [[]]
     kv.record_lookup(req, cached)
     req.num_computed_tokens = req.num_tokens
-    return kv.block_table(req.request_id)
+    return kv.block_ids(req.request_id)[0]
 
 
 def _refs(pool: BlockPool) -> list[int]:
@@ -42,12 +47,12 @@ def _queue(pool: BlockPool) -> list[int]:
 
 
 @pytest.fixture
-def kv() -> KVCacheManager:
-    return KVCacheManager(BlockPool(10), BS)
+def kv() -> KVCacheCoordinator:
+    return _kv(10)
 
 
 def test_scripted_sharing_freeing_and_hits(kv):
-    pool = kv.pool
+    pool = kv.pools[0]
     a = _req("a", list(range(10)))  # 2 full blocks + 2 tokens
     assert _admit(kv, a) == [0, 1, 2]
     assert _refs(pool) == [1, 1, 1] + [0] * 7
@@ -57,7 +62,7 @@ def test_scripted_sharing_freeing_and_hits(kv):
     # shared prefix, hit on blocks in use: ref counts rise, only the rest is new
     b = _req("b", list(range(8)) + [50, 51, 52])
     hits, cached = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == [0, 1] and cached == 8
+    assert hits.get_block_ids()[0] == [0, 1] and cached == 8
     assert _admit(kv, b) == [0, 1, 3]
     assert _refs(pool) == [2, 2, 1, 1] + [0] * 6
     assert _queue(pool) == [4, 5, 6, 7, 8, 9]
@@ -80,7 +85,7 @@ def test_scripted_sharing_freeing_and_hits(kv):
 
 
 def test_eviction_follows_lru_order_when_pool_fills(kv):
-    pool = kv.pool
+    pool = kv.pools[0]
     a = _req("a", list(range(12)) + [99])  # blocks 0, 1, 2 full (cached), 3 partial
     assert _admit(kv, a) == [0, 1, 2, 3]
     kv.free(a)
@@ -100,14 +105,14 @@ def test_eviction_follows_lru_order_when_pool_fills(kv):
     # the head block still hits
     f = _req("f", list(range(4)) + [1])
     hits, cached = kv.get_computed_blocks(f)
-    assert [h.block_id for h in hits] == [0] and cached == 4
+    assert hits.get_block_ids()[0] == [0] and cached == 4
     for r in (d, e):
         kv.free(r)
     kv.check_integrity()
 
 
 def test_failed_allocation_leaves_ref_counts_untouched(kv):
-    pool = kv.pool
+    pool = kv.pools[0]
     a = _req("a", list(range(9)))
     _admit(kv, a)
     kv.free(a)  # blocks 0, 1 cached and free
@@ -116,10 +121,10 @@ def test_failed_allocation_leaves_ref_counts_untouched(kv):
     before_refs, before_queue = _refs(pool), _queue(pool)
     big = _req("big", list(range(8)) + [7] * 20)  # hits 0, 1 but needs 5 more blocks; 3 are left
     hits, cached = kv.get_computed_blocks(big)
-    assert [h.block_id for h in hits] == [0, 1]
+    assert hits.get_block_ids()[0] == [0, 1]
     assert kv.allocate_slots(big, big.num_tokens - cached, hits) is None
     assert _refs(pool) == before_refs and _queue(pool) == before_queue
-    assert kv.block_table("big") == [] and "big" not in kv.tables
+    assert kv.block_ids("big") == [[]] and "big" not in kv.managers[0].tables
     kv.free(big)
     kv.free(hog)
     kv.check_integrity()
@@ -131,13 +136,13 @@ def test_last_prompt_token_is_always_recomputed(kv):
     _admit(kv, a)
     again = _req("again", list(range(8)))  # both blocks cached, but the last token's logits are needed
     hits, cached = kv.get_computed_blocks(again)
-    assert cached == 4 and [h.block_id for h in hits] == [0]
+    assert cached == 4 and hits.get_block_ids()[0] == [0]
     longer = _req("longer", list(range(9)))
     assert kv.get_computed_blocks(longer)[1] == 8
 
 
 def test_hit_is_confirmed_by_token_ids(kv):
-    pool = kv.pool
+    pool = kv.pools[0]
     a = _req("a", list(range(5)))
     _admit(kv, a)
     ((h, block),) = pool.cached.items()
@@ -145,8 +150,9 @@ def test_hit_is_confirmed_by_token_ids(kv):
     assert pool.get_cached_block(h, [0, 1, 2, 3]) is block
     assert pool.get_cached_block(h, [0, 1, 2, 4]) is None
     b = _req("b", [0, 1, 2, 4, 5])
-    kv.hashes["b"] = [h]  # pretend b's first block hashed to h
-    assert kv.get_computed_blocks(b) == ([], 0)
+    b.block_hashes[:] = [h]  # pretend b's first block hashed to h
+    hits, cached = kv.get_computed_blocks(b)
+    assert hits.get_block_ids() == [[]] and cached == 0
 
 
 def test_cache_salt_isolates_tenants(kv):
@@ -176,16 +182,16 @@ def test_reset_prefix_cache_refuses_while_blocks_in_use(kv):
     a = _req("a", list(range(9)))
     _admit(kv, a)
     assert kv.reset_prefix_cache() is False
-    assert kv.pool.num_cached_blocks == 2
+    assert kv.pools[0].num_cached_blocks == 2
     kv.free(a)
     assert kv.reset_prefix_cache() is True
-    assert kv.pool.num_cached_blocks == 0
+    assert kv.pools[0].num_cached_blocks == 0
     assert kv.get_computed_blocks(_req("b", list(range(9))))[1] == 0
     kv.check_integrity()
 
 
 def test_fork_shares_blocks_and_copies_a_partial_block_on_write(kv):
-    pool = kv.pool
+    pool = kv.pools[0]
     parent = _req("p", list(range(6)))  # block 0 full, block 1 holds 2 tokens
     _admit(kv, parent)
     kids = [_req(f"p#{i}", list(range(6))) for i in (1, 2, 3)]
@@ -198,8 +204,8 @@ def test_fork_shares_blocks_and_copies_a_partial_block_on_write(kv):
         r.append_token(42)
         copies.append(kv.allocate_slots(r, 1))
     # three samples copy; the last holder writes in place
-    assert copies == [[(1, 2)], [(1, 3)], [(1, 4)], []]
-    assert [kv.block_table(r.request_id) for r in (parent, *kids)] == [[0, 2], [0, 3], [0, 4], [0, 1]]
+    assert copies == [[[(1, 2)]], [[(1, 3)]], [[(1, 4)]], [[]]]
+    assert [kv.block_ids(r.request_id)[0] for r in (parent, *kids)] == [[0, 2], [0, 3], [0, 4], [0, 1]]
     assert _refs(pool)[:5] == [4, 1, 1, 1, 1] and kv.num_cow_copies == 3
     kv.check_integrity()
     for r in (parent, *kids):
@@ -208,7 +214,7 @@ def test_fork_shares_blocks_and_copies_a_partial_block_on_write(kv):
 
 
 def test_stats_count_each_admission_once_and_recompute_apart():
-    kv = KVCacheManager(BlockPool(8), BS)
+    kv = _kv(8)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), kv)
     sched.add_request(_req("a", list(range(17))))
     out = sched.schedule()
@@ -241,7 +247,7 @@ def test_stats_count_each_admission_once_and_recompute_apart():
 
 
 def test_recent_window_hit_rate():
-    kv = KVCacheManager(BlockPool(4), BS)
+    kv = _kv(4)
     stats = kv.stats.__class__(window_size=2)
     stats.record(10, 0, recompute=False)
     stats.record(10, 10, recompute=False)

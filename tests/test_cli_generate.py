@@ -39,9 +39,9 @@ def test_cli_bad_input_exits_2(tiny_model_factory):
     proc = _run("generate", "x", "--model", "/nonexistent/model")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = _run("generate", "x", "--model", path, "--max-tokens", "-3")
-    assert proc.returncode == 2 and "max_tokens" in proc.stderr
+    assert proc.returncode == 2 and "--max-tokens" in proc.stderr
     proc = _run("generate", "x", "--model", path, "--top-p", "0")
-    assert proc.returncode == 2 and "top_p" in proc.stderr
+    assert proc.returncode == 2 and "--top-p" in proc.stderr
     proc = _run("generate", "--model", path)
     assert proc.returncode == 2 and "prompt" in proc.stderr
     proc = _run("generate", "x", "--dtype", "float64")

@@ -52,7 +52,7 @@ def test_greedy_batch_and_logits_match_transformers(tiny_model_factory, family, 
         pytest.param({"max_num_batched_tokens": 7}, id="chunked-prefill"),
         pytest.param({"num_kv_blocks": 17, "block_size": 8}, id="tiny-cache-preemption"),
         pytest.param({"max_num_seqs": 2, "max_num_batched_tokens": 16}, id="few-seqs"),
-        pytest.param({"block_size": 1}, id="block-size-1"),
+        pytest.param({"block_size": 1, "num_kv_blocks": 129}, id="block-size-1"),  # 128 usable + the null block
     ],
 )
 @pytest.mark.parametrize("family", ["llama_gqa", "llama_d64"])

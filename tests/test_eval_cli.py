@@ -36,7 +36,7 @@ def test_json_rows_reference_first_with_ledger_capacity(model_path, capsys):
     for r in rows:
         fmt = KVCacheFormat(r["k_dtype"], r["v_dtype"], r["scale"])
         assert r["bytes_per_token"] == kv_bytes_per_token(shape, fmt, 16)
-        assert r["blocks"] == num_blocks_for_memory(1 << 20, shape, 16, fmt)
+        assert r["blocks"] == num_blocks_for_memory(1 << 20, shape, 16, fmt) - 1  # less the pool's null block
         assert r["sequences"] == r["blocks"] // 4  # 64-token sequences, 16-token blocks
         assert set(r["perplexity"]) == {"24", "48"}
         assert all(math.isfinite(p) and p > 1 for p in r["perplexity"].values())
@@ -66,7 +66,7 @@ def test_table_and_plot(model_path, capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--formats", "int3"], "--formats"),
     (["--formats", "int8@block"], "scale must be one of"),
-    (["--num-prompts", "0"], "num_prompts"),
+    (["--num-prompts", "0"], "--num-prompts"),
     (["--contexts", "4000"], "max_model_len"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
 ])

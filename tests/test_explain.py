@@ -119,6 +119,6 @@ def test_cli_cache_explain_text_json_files_and_errors(tiny_model_factory, tmp_pa
     assert main(["cache", "explain", a, "--model", path]) == 2
     assert "prompt B is missing" in capsys.readouterr().err
     assert main(["cache", "explain", a, b, "--model", path, "--block-size", "0"]) == 2
-    assert "block_size" in capsys.readouterr().err
+    assert "--block-size" in capsys.readouterr().err
     assert main(["cache", "explain", a, "--file-b", str(tmp_path / "nope.txt"), "--model", path]) == 2
     assert "--file-b" in capsys.readouterr().err

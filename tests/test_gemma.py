@@ -45,7 +45,7 @@ def test_greedy_batch_and_logits_match_transformers(gemma):
     llm = LLM(model=path, log_ledger=False, num_kv_blocks=64, block_size=4)
     cfg = llm.engine.model_config
     assert None in cfg.sliding_windows and any(cfg.sliding_windows)  # hybrid local/global
-    assert llm.engine.kv.sliding_window is None  # global layers still read every block
+    assert llm.engine.kv.groups[0].window is None  # global layers still read every block
     assert _tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)) == ref
     logits = llm.engine.prompt_logits(PROMPTS[0])
     with torch.no_grad():

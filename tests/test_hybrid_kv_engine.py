@@ -58,11 +58,12 @@ def test_greedy_matches_transformers(hybrid, engine_kwargs):
     llm = _llm(path, **engine_kwargs)
     kv = llm.engine.kv
     assert [g.window for g in kv.groups] == [None, WINDOW]
-    assert kv.managers[1].pool.num_blocks < kv.managers[0].pool.num_blocks  # the split is live
+    assert kv.pools[1].num_blocks < kv.pools[0].num_blocks  # the split is live
     assert _tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)) == ref
     if engine_kwargs.get("num_kv_blocks") == 24:
-        # 24 single-table blocks: the global group gets 24 + 4 spare = 28 (qwen2: 1 global layer of 2) or
-        # 24 + 2 x 4 = 32 (gemma: 1 global layer of 3) blocks; three requests need 19 + 8 + 16 of them
+        # 24 single-table blocks, 23 usable beside each pool's null block: the global group gets 23 + 3 spare = 26
+        # (qwen2: 1 global layer of 2) or 23 + 2 x 3 = 29 (gemma: 1 global layer of 3) blocks; three requests
+        # need 19 + 8 + 16 of them
         assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm.engine)
 
@@ -72,7 +73,7 @@ def test_prefix_hits_leave_outputs_unchanged(hybrid):
     window blocks of the first run are not yet evicted (a freed block stays hittable only until reused)."""
     path, ref = hybrid
     llm = _llm(path, num_kv_blocks=128, max_num_seqs=16)
-    assert llm.engine.kv.managers[1].pool.num_blocks == 68 < llm.engine.kv.managers[0].pool.num_blocks
+    assert llm.engine.kv.pools[1].num_blocks == 68 < llm.engine.kv.pools[0].num_blocks
     first = _tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
     second = _tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
     longer = [p + [7, 8, 9, 10, 11] for p in PROMPTS]  # a shared prefix, then new tokens
@@ -92,7 +93,7 @@ def test_local_blocks_stop_growing_past_the_window(hybrid):
     held = []
     while engine.has_unfinished_requests():
         engine.step()
-        held.append(engine.kv.held_blocks_by_group("long"))
+        held.append(engine.kv.num_held_blocks("long"))
         engine.check_integrity()
     full, local = [h[0] for h in held[:-1]], [h[1] for h in held[:-1]]
     assert full[-1] == 88 // BS and full == sorted(full)  # the global group keeps every block (88 tokens)
@@ -115,7 +116,8 @@ def test_ledger_allocation_and_planner_agree(hybrid, tiny_model_factory):
     allocated = sum(c.nbytes for c in engine.runner.caches)
     assert allocated == engine.report.kv_cache_bytes == ledger.kv_bytes_for_groups(shape, groups, BS, fmt) <= 200_000
     for layer, cache in enumerate(engine.runner.caches):
-        assert cache.num_blocks == next(g.num_blocks for g in groups if layer in g.layers)
+        # each layer holds its group's usable blocks and the group's null block
+        assert cache.num_blocks == next(g.num_blocks for g in groups if layer in g.layers) + ledger.NULL_BLOCKS_PER_GROUP
     assert ledger.max_concurrency(200_000, shape, 64, fmt, BS, SEQS, BUDGET) == groups[0].num_blocks // 16
     assert engine.report.token_capacity == groups[0].num_blocks * BS
     assert f"window {WINDOW}" in engine.report.render()
@@ -135,19 +137,19 @@ def _run_workload(llm: LLM) -> tuple[int, int]:
 
 
 def test_same_memory_holds_more_than_one_table(hybrid, monkeypatch):
-    """24 blocks' memory: one table for every layer holds 96 tokens, too few for four 28-token requests at once;
-    per-group pools give the global layers 28 or 32 blocks (the local layers never need more than their
+    """25 blocks' memory (24 usable + each pool's null block): one table for every layer holds 96 tokens, too few
+    for four 28-token requests at once; per-group pools give the global layers 28 or 32 blocks (the local layers never need more than their
     20-block reservation), so all four run together without preemption."""
     path, _ = hybrid
-    hybrid_llm = _llm(path, num_kv_blocks=24, enable_prefix_caching=False)
+    hybrid_llm = _llm(path, num_kv_blocks=25, enable_prefix_caching=False)
     assert hybrid_llm.engine.report.token_capacity > 24 * BS
     assert _run_workload(hybrid_llm) == (4, 0)
 
     def one_table(shape, fmt, bs, n, *limits):
-        return [KVGroup(None, tuple(range(shape.num_layers)), n)]
+        return [KVGroup(None, tuple(range(shape.num_layers)), n - ledger.NULL_BLOCKS_PER_GROUP)]
 
     monkeypatch.setattr("kvforge.engine.engine.split_kv_blocks", one_table)  # the design before KV groups
-    single = _llm(path, num_kv_blocks=24, enable_prefix_caching=False)
+    single = _llm(path, num_kv_blocks=25, enable_prefix_caching=False)
     assert single.engine.report.token_capacity == 24 * BS
     assert single.engine.report.kv_cache_bytes >= hybrid_llm.engine.report.kv_cache_bytes
     peak, preemptions = _run_workload(single)

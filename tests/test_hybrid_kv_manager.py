@@ -1,4 +1,4 @@
-"""HybridKVCacheManager and the ledger's group split, in pure Python (no model).
+"""The KV coordinator on a hybrid (local/global) model and the ledger's group split, in pure Python (no model).
 
 A local/global model's layers form KV cache groups, each with its own pool: the
 windowed group frees blocks behind the window while the request runs, the full
@@ -19,16 +19,15 @@ from kvforge.config import SchedulerConfig
 from kvforge.engine.request import Request
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import Scheduler
-from kvforge.kv.hybrid import HybridKVCacheManager, make_kv_manager
-from kvforge.kv.manager import WINDOW_FREED, KVCacheManager
+from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.ledger import KVCacheFormat, KVGroup, KVShape
 
 BS, WINDOW = 4, 8
 GEMMA2_LIKE = KVShape(3, 2, 16, sliding_windows=(WINDOW, None, WINDOW))
 
 
-def _kv(full: int = 32, local: int = 12) -> HybridKVCacheManager:
-    return HybridKVCacheManager([KVGroup(None, (1,), full), KVGroup(WINDOW, (0, 2), local)], BS)
+def _kv(full: int = 32, local: int = 12) -> KVCacheCoordinator:
+    return KVCacheCoordinator([KVGroup(None, (1,), full), KVGroup(WINDOW, (0, 2), local)], BS)
 
 
 def test_groups_and_split():
@@ -39,21 +38,24 @@ def test_groups_and_split():
     # 4 seqs x (2 window blocks + 2) + 16 tokens / 4 = 20 blocks reserved for the local group
     assert ledger.window_block_reservation(WINDOW, BS, 4, 16) == 20
     split = ledger.split_kv_blocks(GEMMA2_LIKE, "float32", BS, 64, 4, 16)
-    assert split == [KVGroup(None, (1,), 64 + 2 * (64 - 20)), KVGroup(WINDOW, (0, 2), 20)]
+    # 64 blocks of memory less one null block per group's pool: 63 usable, the local group keeps 20
+    assert split == [KVGroup(None, (1,), 63 + 2 * (63 - 20)), KVGroup(WINDOW, (0, 2), 20)]
     assert ledger.kv_bytes_for_groups(GEMMA2_LIKE, split, BS, "float32") <= 64 * ledger.kv_bytes_per_block(
         GEMMA2_LIKE, BS, "float32")
     small = ledger.split_kv_blocks(GEMMA2_LIKE, "float32", BS, 10, 4, 16)  # the reservation exceeds the pool
-    assert [g.num_blocks for g in small] == [10, 10]
+    assert [g.num_blocks for g in small] == [9, 9]
 
 
 def test_local_group_frees_behind_the_window_and_global_keeps_everything():
     kv = _kv()
     a = Request("a", list(range(24)), SamplingParams())
     prefill_then_decode(kv, a, 10)  # 34 tokens: the local group freed blocks ending before 33 - 8
-    full, local = kv.managers[0].tables["a"], kv.managers[1].tables["a"]
-    assert WINDOW_FREED not in full and len(full) == 9
-    assert local[:6] == [WINDOW_FREED] * 6 and WINDOW_FREED not in local[6:]
-    assert kv.held_blocks_by_group("a") == [9, 3]
+    full, local = kv.tables("a").blocks
+    null = kv.pools[1].null_block
+    assert kv.pools[0].null_block not in full and len(full) == 9
+    assert local[:6] == [null] * 6 and null not in local[6:]
+    assert kv.num_held_blocks("a") == [9, 3]
+    assert kv.block_ids("a")[1][:6] == [12] * 6  # the null block's reserved id: one past the local pool's blocks
     assert kv.pool.num_free_blocks == 32 + 12 - 12
     kv.free(a)
     kv.check_integrity()
@@ -83,17 +85,17 @@ def test_prefix_hit_needs_only_the_window_blocks_of_the_local_group():
     b = Request("b", prompt + [1], SamplingParams())
     hits, cached = kv.get_computed_blocks(b)
     assert cached == 24
-    assert len(hits[0]) == 6 and hits[1][:4] == [WINDOW_FREED] * 4
-    assert [blk.block_id for blk in hits[1][4:]] == [4, 5]
-    assert kv.allocate_slots(b, 1, hits) == []
+    assert len(hits.blocks[0]) == 6 and hits.blocks[1][:4] == [local.null_block] * 4
+    assert hits.get_block_ids()[1][4:] == [4, 5]
+    assert kv.allocate_slots(b, 1, hits) == [[], []]
     b.num_computed_tokens = b.num_tokens
     kv.check_integrity()
-    assert kv.held_blocks_by_group("b") == [7, 3]
+    assert kv.num_held_blocks("b") == [7, 3]
     kv.free(b)
     # with block 5 gone too, no k has its window blocks: the hit is empty, in every group
     local.pool.free_blocks(local.pool.get_new_blocks(local.pool.num_free_blocks))
     hits, cached = kv.get_computed_blocks(Request("c", prompt + [1], SamplingParams()))
-    assert cached == 0 and hits == [[], []]
+    assert cached == 0 and hits.get_block_ids() == [[], []]
     kv.free(a)
     kv.check_integrity()
 
@@ -109,8 +111,7 @@ def test_fork_copy_on_write_is_per_group():
     for r in (parent, child):
         r.append_token(42)
         copies.append(kv.allocate_slots(r, 1))
-    assert copies == [[(0, 1, 2), (1, 1, 2)], []]  # the shared partial block 1 copied once in each group
-    assert kv.copies_by_group(copies[0]) == [[(1, 2)], [(1, 2)]]
+    assert copies == [[[(1, 2)], [(1, 2)]], [[], []]]  # the shared partial block 1 copied once in each group
     assert kv.num_cow_copies == 2
     kv.check_integrity()
     kv.free(parent)
@@ -127,9 +128,11 @@ def test_reset_is_refused_while_any_group_holds_blocks():
     assert kv.reset_prefix_cache()
 
 
-def test_one_group_is_the_single_table_manager():
-    kv = make_kv_manager([KVGroup(WINDOW, (0, 1), 16)], BS)
-    assert type(kv) is KVCacheManager and kv.sliding_window == WINDOW and kv.pool.num_blocks == 16
+def test_one_group_is_the_single_table_case():
+    kv = KVCacheCoordinator([KVGroup(WINDOW, (0, 1), 16)], BS)
+    assert kv.num_groups == 1 and kv.managers[0].sliding_window == WINDOW and kv.pool.num_blocks == 16
+    with pytest.raises(ValueError, match="group 0"):
+        KVCacheCoordinator([KVGroup(WINDOW, (0,), 4), KVGroup(None, (1,), 4)], BS)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -147,7 +150,7 @@ def test_local_group_never_needs_more_than_its_reservation(seed):
     peak = 0
     while sched.has_unfinished():
         out = sched.schedule()
-        peak = max(peak, reserve - kv.managers[1].pool.num_free_blocks)
+        peak = max(peak, reserve - kv.pools[1].num_free_blocks)
         sched.update(out, {c.request.request_id: 1 for c in out.chunks if c.samples})
         kv.check_integrity()
     assert sched.num_preemptions == 0
@@ -159,7 +162,7 @@ def test_planner_counts_what_the_engine_allocates():
     fmt = KVCacheFormat.uniform("float32")
     memory = 64 * ledger.kv_bytes_per_block(GEMMA2_LIKE, BS, fmt)
     groups = ledger.split_kv_blocks(GEMMA2_LIKE, fmt, BS, 64, 4, 16)
-    assert ledger.max_concurrency(memory, GEMMA2_LIKE, 40, fmt, BS, 4, 16) == groups[0].num_blocks // 10 == 15
+    assert ledger.max_concurrency(memory, GEMMA2_LIKE, 40, fmt, BS, 4, 16) == groups[0].num_blocks // 10 == 14
     # one table for all layers would hold 64 // 10 = 6 such sequences in the same memory
     single = KVShape(3, 2, 16)
     assert ledger.max_concurrency(memory, single, 40, fmt, BS) == 6

@@ -102,12 +102,12 @@ def test_same_memory_holds_about_twice_the_blocks_at_8_bit(tiny_model_factory):
                          ("int4", {"kv_cache_dtype": "int4"})]:
         eng = LLM(model=path, log_ledger=False, kv_cache_memory=memory, **kwargs).engine
         per_block = kv_bytes_per_block(eng.model_config.kv_shape(), 16, eng.cache_format)
-        assert eng.pool.num_blocks == memory // per_block
-        assert sum(c.nbytes for c in eng.runner.caches) == per_block * eng.pool.num_blocks <= memory
+        assert eng.pool.num_blocks == memory // per_block - 1  # one block of the memory is the pool's null block
+        assert sum(c.nbytes for c in eng.runner.caches) == per_block * (eng.pool.num_blocks + 1) <= memory
         blocks[name] = eng.pool.num_blocks
-    assert blocks == {"fp16": 1048576 // (2 * 8192), "int8": 1048576 // (2 * 4224),
-                      "fp8@tensor": 1048576 // (2 * 4096), "int4": 1048576 // (2 * (2048 + 128))}
-    assert (blocks["fp16"], blocks["int8"], blocks["fp8@tensor"], blocks["int4"]) == (64, 124, 128, 240)
+    assert blocks == {"fp16": 1048576 // (2 * 8192) - 1, "int8": 1048576 // (2 * 4224) - 1,
+                      "fp8@tensor": 1048576 // (2 * 4096) - 1, "int4": 1048576 // (2 * (2048 + 128)) - 1}
+    assert (blocks["fp16"], blocks["int8"], blocks["fp8@tensor"], blocks["int4"]) == (63, 123, 127, 239)
     assert KVCacheFormat("int8", "int8", "token") == LLM(
         model=path, log_ledger=False, num_kv_blocks=4, kv_cache_dtype="int8").engine.cache_format
 
@@ -182,4 +182,4 @@ def test_cache_dtype_options_resolve_and_validate():
     add_engine_cli_args(parser)
     args = engine_args_from_cli(parser.parse_args(
         ["--k-cache-dtype", "auto", "--v-cache-dtype", "fp8", "--kv-cache-scale", "tensor"]))
-    assert args.cache_config().cache_format("float32") == KVCacheFormat("float32", "fp8_e4m3", "tensor")
+    assert args.cache_config.cache_format("float32") == KVCacheFormat("float32", "fp8_e4m3", "tensor")

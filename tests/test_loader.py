@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvforge.models.gguf_loader import _LAYER_NAMES, hf_tensor_name, unpermute_rope_rows
-from kvforge.models.gguf_tokenizer import _byte_alphabet
+from kvforge.gguf_tokenizer import _byte_alphabet
 from kvforge.models.loader import DEFAULT_MODEL_NAME, Checkpoint, default_model_path, load_checkpoint
 
 transformers = pytest.importorskip("transformers")

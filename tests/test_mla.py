@@ -144,7 +144,7 @@ def _random_batch(cache: LatentKVCache, heads: int, gen: torch.Generator):
     return meta, q_nope, q_rope, r, bs
 
 
-@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "cpu"])
 def test_absorbed_decode_equals_decompressed_and_naive(backend):
     gen = torch.Generator().manual_seed(0)
     heads, nope, v_dim = 4, 16, 12

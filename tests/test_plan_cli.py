@@ -53,7 +53,7 @@ def test_json_has_exact_bytes_and_capacity(capsys):
     assert cfg["kv_bytes"]["per_token"] == 131072 and cfg["kv_bytes"]["batch"] == 16 * 1024**3
     cap = cfg["capacity"]
     assert cap["kv_memory"] == int(80 * 1024**3 * 0.9) - cfg["weights_bytes"] - cap["activations"]
-    assert cap["num_blocks"] == cap["kv_memory"] // (2 * 1024**2)
+    assert cap["num_blocks"] == cap["kv_memory"] // (2 * 1024**2) - 1  # the engine's pool, less its null block
     assert cap["concurrency_at_max"] == cap["num_blocks"] // (8192 // 16)
     assert doc["options"]["gpu_memory"] == 80 * 1024**3
 
@@ -158,6 +158,6 @@ def test_malformed_and_incomplete_configs_exit_2(capsys, tmp_path):
 
 
 def test_planner_imports_no_torch_and_no_matplotlib():
-    code = ("import sys, kvforge.planner.cli, kvforge.planner.lints, kvforge.planner.prefix, kvforge.ledger; "
+    code = ("import sys, kvforge.commands.plan, kvforge.planner.lints, kvforge.planner.prefix, kvforge.ledger; "
             "bad = [m for m in ('torch', 'matplotlib') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -54,6 +54,14 @@ def test_max_model_len_waste_reports_unused_fraction_and_realistic_concurrency()
     assert "98.5% reserved for nothing" in lint.message
 
 
+def test_max_model_len_from_the_config_default_is_not_warned_about():
+    """DeepSeek-V2's config says 163,840: the user never chose it, so no lint, even at a short workload."""
+    col = column("deepseek-v2", avg_seq_len=2000)
+    assert lints.model_max_len(col.cfg) == 163840
+    assert lints.max_model_len_waste(col, PlanOptions(avg_seq_len=2000)) is None
+    assert lints.max_model_len_waste(col, PlanOptions(max_model_len=163840, avg_seq_len=2000)) is not None
+
+
 def test_max_model_len_close_to_workload_is_fine():
     assert lints.max_model_len_waste(column(), PlanOptions(max_model_len=8192, avg_seq_len=4096)) is None
 

@@ -94,17 +94,17 @@ def test_n4_forks_after_one_prefill_and_copies_on_write(tiny_model_factory):
     assert engine.counters.num_prompt_tokens == 29  # prefilled once, not four times
     samples = engine.samples[rid]
     assert len(samples) == 4 and [s.sample_index for s in samples] == [0, 1, 2, 3]
-    tables = [kv.block_table(s.request_id) for s in samples]
+    tables = [kv.block_ids(s.request_id)[0] for s in samples]
     assert tables[0] == tables[1] == tables[2] == tables[3] and len(tables[0]) == 8
-    assert [engine.pool.blocks[b].ref_cnt for b in tables[0]] == [4] * 8
+    assert [kv.pools[0].blocks[b].ref_cnt for b in tables[0]] == [4] * 8
     assert [o.request_id for o in outs] == [rid]
     assert [c.index for c in outs[0].outputs] == [0, 1, 2, 3] and not outs[0].finished
     engine.check_integrity()
     engine.step()  # each sample writes its first token into the shared partial block: 3 copies, 1 in place
     assert kv.num_cow_copies == 3
-    tables = [kv.block_table(s.request_id) for s in samples]
+    tables = [kv.block_ids(s.request_id)[0] for s in samples]
     assert len({t[-1] for t in tables}) == 4 and len({tuple(t[:-1]) for t in tables}) == 1
-    assert [engine.pool.blocks[b].ref_cnt for b in tables[0][:-1]] == [4] * 7
+    assert [kv.pools[0].blocks[b].ref_cnt for b in tables[0][:-1]] == [4] * 7
     engine.check_integrity()
     finals = []
     while engine.has_unfinished_requests():

@@ -16,9 +16,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvforge.engine.request import Request
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.kv.blocks import BlockPool
 from kvforge.kv.hashing import extend_block_hashes
-from kvforge.kv.manager import KVCacheManager
+from kvforge.kv.coordinator import KVCacheCoordinator
+from kvforge.kv.interface import KVCacheBlocks
+from kvforge.ledger import KVGroup
 
 BS = 2
 NUM_BLOCKS = 12
@@ -29,7 +30,8 @@ SALT = st.sampled_from([None, None, "tenant"])
 class PrefixCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(BlockPool(NUM_BLOCKS), BS)
+        self.kv = KVCacheCoordinator([KVGroup(None, (0,), NUM_BLOCKS)], BS)
+        self.pool = self.kv.pools[0]
         self.memory: dict[int, list[object]] = {b: [None] * BS for b in range(NUM_BLOCKS)}
         self.live: dict[str, Request] = {}  # requests holding blocks
         self.waiting: dict[str, Request] = {}  # new or preempted, holding none
@@ -41,20 +43,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         return f"r{self.ids}"
 
     def _snapshot(self) -> tuple:
-        pool = self.kv.pool
+        pool = self.pool
         return [b.ref_cnt for b in pool.blocks], list(pool.free_queue), dict(pool.cached)
 
-    def _compute(self, req: Request, n: int, hits: list | None = None) -> bool:
+    def _compute(self, req: Request, n: int, hits: KVCacheBlocks | None = None) -> bool:
         """allocate_slots + the writes the forward pass would do; False (nothing changed) if no room."""
         before = self._snapshot()
         copies = self.kv.allocate_slots(req, n, hits)
         if copies is None:
             assert self._snapshot() == before, "a failed allocation changed the pool"
             return False
-        for src, dst in copies:  # the runner copies before the forward writes
+        (group_copies,) = copies
+        for src, dst in group_copies:  # the runner copies before the forward writes
             self.memory[dst] = list(self.memory[src])
-        table = self.kv.block_table(req.request_id)
-        start = req.num_computed_tokens + (len(hits) * BS if hits else 0)
+        table = self.kv.block_ids(req.request_id)[0]
+        start = req.num_computed_tokens + (len(hits.blocks[0]) * BS if hits else 0)
         for p in range(start, start + n):
             self.memory[table[p // BS]][p % BS] = (req.cache_salt, tuple(req.all_token_ids[: p + 1]))
         req.num_computed_tokens = start + n
@@ -62,7 +65,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def _admit(self, req: Request, chunk: int) -> None:
         hits, cached = self.kv.get_computed_blocks(req)
-        assert cached == len(hits) * BS and cached < req.num_tokens
+        assert cached == len(hits.blocks[0]) * BS and cached < req.num_tokens
         n = min(chunk, req.num_tokens - cached)
         if self._compute(req, n, hits):
             self.kv.record_lookup(req, cached)
@@ -123,18 +126,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         in_use = bool(self.live)
         assert self.kv.reset_prefix_cache() is (not in_use)
         if not in_use:
-            assert self.kv.pool.num_cached_blocks == 0
+            assert self.pool.num_cached_blocks == 0
 
     # ---- invariants -----------------------------------------------------------------------
     @invariant()
     def pool_integrity(self):
         self.kv.check_integrity()
-        assert set(self.kv.tables) == set(self.live)
+        assert set(self.kv.managers[0].tables) == set(self.live)
 
     @invariant()
     def every_computed_position_reads_its_own_prefix(self):
         for req in self.live.values():
-            table = self.kv.block_table(req.request_id)
+            table = self.kv.block_ids(req.request_id)[0]
             assert len(table) * BS >= req.num_computed_tokens
             for p in range(req.num_computed_tokens):
                 got = self.memory[table[p // BS]][p % BS]
@@ -142,7 +145,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_hashes_match_block_contents(self):
-        for h, block in self.kv.pool.cached.items():
+        for h, block in self.pool.cached.items():
             salt, prefix = self.memory[block.block_id][BS - 1]
             assert block.token_ids == prefix[-BS:]
             assert extend_block_hashes([], prefix, BS, (salt,) if salt else ())[-1] == h
@@ -151,7 +154,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for req in list(self.live.values()) + list(self.waiting.values()):
             self.kv.free(req)
         self.kv.check_integrity()
-        assert self.kv.pool.num_free_blocks == NUM_BLOCKS and not self.kv.tables
+        assert self.pool.num_free_blocks == NUM_BLOCKS and not self.kv.managers[0].tables
 
 
 PrefixCacheMachine.TestCase.settings = settings(

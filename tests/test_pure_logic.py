@@ -1,10 +1,11 @@
-"""The pure-logic modules (ledger, block pool, KV manager, scheduler) never import torch (DESIGN.md)."""
+"""The pure-logic modules (ledger, HF config reader, block pool, KV coordinator, scheduler) never import torch (docs/DESIGN.md)."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
-PURE = ["kvforge.ledger", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.manager", "kvforge.kv.hybrid",
+PURE = ["kvforge.ledger", "kvforge.hf_config", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.interface", "kvforge.kv.stats",
+        "kvforge.kv.group_manager", "kvforge.kv.coordinator",
         "kvforge.kv.explain", "kvforge.engine.scheduler", "kvforge.engine.request", "kvforge.engine.sampling_params"]
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvforge.cli import main
-from kvforge.server.cli import served_model_name
+from kvforge.commands.serve import served_model_name
 from tiny_models import build_tiny_model
 
 
@@ -26,7 +26,7 @@ def test_serve_usage_errors_exit_2(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     assert main(["serve", "--max-num-seqs", "0"]) == 2
     err = capsys.readouterr().err
-    assert "--port" in err and "max_num_seqs" in err
+    assert "--port" in err and "--max-num-seqs" in err
 
 
 def test_served_model_name():

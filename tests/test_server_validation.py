@@ -185,9 +185,13 @@ def test_api_key_from_environment(monkeypatch):
     assert resolve_api_key(None) is None
 
 
-def test_engine_failure_answers_503_and_frees_blocks(model_dir):
+def test_engine_that_cannot_continue_answers_503_and_frees_blocks(model_dir):
+    """A failure outside any one request (here the whole step call) stops the engine: every waiter gets a 503
+    without the exception's repr, /health turns 503, and the owner's on_fatal runs (the CLI exits non-zero)."""
     srv = start_server(model_dir)
     engine = srv.async_engine.engine
+    fatal: list[BaseException] = []
+    srv.async_engine.on_fatal = fatal.append
     real_step = engine.step
     calls = {"n": 0}
 
@@ -201,12 +205,13 @@ def test_engine_failure_answers_503_and_frees_blocks(model_dir):
     try:
         with httpx.Client(base_url=srv.url, timeout=30) as http:
             r = http.post("/v1/completions", json={**OK_COMPLETION, "max_tokens": 50, "ignore_eos": True})
-            err = _expect(r, 503, None, "simulated device fault")
-            assert err["type"] == "server_error"
+            err = _expect(r, 503, None, "internal error")
+            assert err["type"] == "server_error" and "simulated" not in r.text
             assert http.get("/health").status_code == 503
             _expect(http.post("/v1/completions", json=OK_COMPLETION), 503, None, "engine")
         srv.async_engine._thread.join(5)  # type: ignore[union-attr]
         assert not srv.async_engine.alive
+        assert len(fatal) == 1 and "simulated device fault" in str(fatal[0])
         engine.check_integrity()  # the engine thread is gone, so reading it here is safe
         assert engine.pool.num_free_blocks == engine.pool.num_blocks
     finally:

@@ -1,8 +1,8 @@
 """Sliding-window attention: outputs equal transformers, and dead blocks go back to the pool.
 
 Mistral with a 12-token window and 4-token blocks: prompts and generations far
-longer than the window, in batches (so the placeholder id 0 of a freed slot
-points at another request's live block, which the window mask must hide), with
+longer than the window, in batches (a freed slot holds the pool's reserved null
+block, which only the window mask ever reads), with
 chunked prefill and with preemption. A windowed request's held blocks stop
 growing once it passes the window; prefix caching stays correct when the early
 blocks of a chain were freed or evicted; the pool balances to zero.
@@ -15,8 +15,8 @@ from conftest import assert_no_leaks, prefill_then_decode
 from kvforge import LLM, SamplingParams
 from kvforge.config import ModelConfig
 from kvforge.engine.request import Request
-from kvforge.kv.blocks import BlockPool
-from kvforge.kv.manager import WINDOW_FREED, KVCacheManager
+from kvforge.kv.coordinator import KVCacheCoordinator
+from kvforge.ledger import KVGroup
 from tiny_models import hf_greedy
 
 WINDOW, BS = 12, 4
@@ -53,7 +53,7 @@ def _llm(path: str, **kw) -> LLM:
 def test_windowed_greedy_matches_transformers(swa, engine_kwargs):
     path, ref = swa
     llm = _llm(path, **engine_kwargs)
-    assert llm.engine.kv.sliding_window == WINDOW
+    assert [g.window for g in llm.engine.kv.groups] == [WINDOW]  # one group, every layer windowed
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
     if "num_kv_blocks" in engine_kwargs:
@@ -71,7 +71,7 @@ def test_held_blocks_stop_growing_past_the_window(swa):
     while engine.has_unfinished_requests():
         for out in engine.step():
             tokens = out.outputs[0].token_ids
-        held.append(engine.kv.num_held_blocks("long"))
+        held.append(engine.kv.num_held_blocks("long")[0])
         engine.check_integrity()
     assert tokens == ref[0]
     # the one-chunk prefill holds all 13 prompt blocks; from then on the window (3 blocks) + the block
@@ -99,50 +99,53 @@ def test_hybrid_or_unwindowed_models_do_not_free():
 
 
 def test_window_freed_blocks_stay_hittable_until_evicted():
-    kv = KVCacheManager(BlockPool(12), BS, sliding_window=WINDOW)
+    kv = KVCacheCoordinator([KVGroup(WINDOW, (0,), 12)], BS)
+    null = kv.pools[0].null_block
     prompt = list(range(100, 124))  # 6 full blocks
     a = Request("a", prompt, SamplingParams())
     prefill_then_decode(kv, a, 10)  # 34 tokens: blocks ending before 33 - 12 = 21 are dead -> blocks 0..4 freed
-    table = kv.tables["a"]
-    assert table[:5] == [WINDOW_FREED] * 5 and WINDOW_FREED not in table[5:]
-    assert kv.num_held_blocks("a") == len(table) - 5 and kv.pool.num_free_blocks == 12 - len(table) + 5
-    assert kv.block_table("a")[:5] == [0] * 5  # addressable, never attended (outside the window)
+    (table,) = kv.tables("a").blocks
+    assert table[:5] == [null] * 5 and null not in table[5:]
+    assert kv.num_held_blocks("a") == [len(table) - 5] and kv.pool.num_free_blocks == 12 - len(table) + 5
+    assert kv.block_ids("a")[0][:5] == [12] * 5  # the reserved null row: addressable, never attended
 
     # a same-prompt request hits the whole freed-but-cached chain: real blocks, never placeholders
     b = Request("b", prompt + [1], SamplingParams())
     hits, cached = kv.get_computed_blocks(b)
-    assert cached == 24 and WINDOW_FREED not in hits and all(h.block_hash is not None for h in hits)
-    assert kv.allocate_slots(b, 1, hits) == []
+    (hit_blocks,) = hits.blocks
+    assert cached == 24 and null not in hit_blocks and all(h.block_hash is not None for h in hit_blocks)
+    assert kv.allocate_slots(b, 1, hits) == [[]]
     b.num_computed_tokens = b.num_tokens
     kv.check_integrity()
     kv.free(b)
 
     # evict the chain head (LRU front) by allocating for another request: the chain no longer hits at all
     c = Request("c", list(range(500, 500 + 4 * kv.pool.num_free_blocks)), SamplingParams())
-    assert kv.allocate_slots(c, c.num_tokens) == []
+    assert kv.allocate_slots(c, c.num_tokens) == [[]]
     kv.free(c)
     hits, cached = kv.get_computed_blocks(Request("d", prompt + [1], SamplingParams()))
-    assert cached == 0 and hits == []
+    assert cached == 0 and hits.get_block_ids() == [[]]
     kv.free(a)
     kv.check_integrity()
     assert kv.pool.num_free_blocks == 12
 
 
 def test_fork_and_free_skip_window_placeholders():
-    kv = KVCacheManager(BlockPool(16), BS, sliding_window=8)
+    kv = KVCacheCoordinator([KVGroup(8, (0,), 16)], BS)
+    null = kv.pools[0].null_block
     a = Request("a", list(range(20)), SamplingParams())
     prefill_then_decode(kv, a, 8)
-    assert WINDOW_FREED in kv.tables["a"]
+    assert null in kv.tables("a").blocks[0]
     child = Request("a-1", list(a.all_token_ids), SamplingParams())
     child.num_computed_tokens = a.num_computed_tokens
     kv.fork(a, child)
     kv.check_integrity()
-    assert WINDOW_FREED.ref_cnt == 0
+    assert null.ref_cnt == 0
     prefill_then_decode(kv, child, 6)  # the child frees its own dead blocks; shared ones stay with the parent
     kv.free(a)
     kv.free(child)
     kv.check_integrity()
-    assert kv.pool.num_free_blocks == 16 and WINDOW_FREED.ref_cnt == 0
+    assert kv.pool.num_free_blocks == 16 and null.ref_cnt == 0
 
 
 def test_prefix_hits_on_a_windowed_model_stay_correct(swa):

@@ -61,6 +61,12 @@ FAMILIES = {
                                                                   "factor": 4.0, "original_max_position_embeddings": 32,
                                                                   "mscale": 0.707, "mscale_all_dim": 0.707,
                                                                   "beta_fast": 32, "beta_slow": 1}}),
+    # issue 14: QK-norm (Qwen3, head_dim set apart from hidden / heads) and a Qwen3 mixture of experts
+    # (4 experts, top-2, normalised; layer 1 dense through mlp_only_layers)
+    "qwen3": ("Qwen3Config", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                     "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
     "gemma2": ("Gemma2Config", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 8,
                                 "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
                                 "final_logit_softcapping": 10.0, "num_hidden_layers": 3,

@@ -16,8 +16,7 @@ from kvforge.attention.cpu_paged import paged_attention_cpu, reads_in_place
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.sdpa import paged_attention_sdpa
 from kvforge.attention.torch_ref import paged_attention as paged_attention_ref
-
-ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")
+from kvforge.config import ATTENTION_BACKENDS  # torch-free, so the CLI can list the choices
 
 
 def check_backend(name: str) -> None:

@@ -2,6 +2,12 @@
 prefill chunks, both reading K/V in place from the block pool. Built on first use, called
 through ctypes.
 
+The decode kernel also reads compressed pools in place: a `PoolView` describes one of K/V as it
+lies in memory (fp8/int8/int4 codes and their scales, or rows of another float dtype), and the
+kernel decodes each row into registers the way `kvforge.kv.quant.dequantize` does. `pool_view`
+builds one from a dense tensor or a `QuantizedKVCache` store; MLA passes its latent pool twice
+(K = the whole latent row, V = its first `kv_lora_rank` elements).
+
 How it is built, cached and switched off is `kvforge.native`'s job. Without a
 compiler (or with `KVFORGE_CPU_KERNEL=0`) `available()` is False and the
 attention backends fall back to gathering blocks in torch; nothing else changes.
@@ -18,12 +24,84 @@ from kvforge.native import NativeLibrary
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FORMAT_CODES = {"fp8_e4m3": 3, "fp8_e5m2": 4, "int8": 5, "int4": 6}  # kvforge.kv.quant format names
+SCALE_CODES = {None: 0, "tensor": 1, "token": 2, "head": 3, "channel": 4}
+
+
+class _KV(ctypes.Structure):
+    """`kvf_kv` in paged_decode.c: one of K/V as it lies in the pool."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("row_bytes", ctypes.c_int64),
+                ("head_bytes", ctypes.c_int64), ("heads", ctypes.c_int64), ("dim", ctypes.c_int64),
+                ("code", ctypes.c_int32), ("gran", ctypes.c_int32)]
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """One of K/V as the decode kernel reads it in place: the pool tensor (block index first, token
+    second) and how to decode a row. `data`/`scale` stay referenced while the view lives."""
+
+    data: torch.Tensor  # [NB, BS, ...] values or uint8 codes, contiguous
+    code: int  # DTYPE_CODES value or FORMAT_CODES value
+    heads: int
+    dim: int  # elements per head (what the kernel reads), <= what a row holds per head
+    head_bytes: int
+    granularity: str | None = None
+    scale: torch.Tensor | None = None  # float32, contiguous; None when granularity is None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[1]
+
+    def struct(self) -> _KV:
+        row_bytes = self.data[0, 0].numel() * self.data.element_size()
+        return _KV(self.data.data_ptr(), 0 if self.scale is None else self.scale.data_ptr(), row_bytes,
+                   self.head_bytes, self.heads, self.dim, self.code, SCALE_CODES[self.granularity])
+
+
+def dense_view(t: torch.Tensor) -> PoolView:
+    """A float pool [NB, BS, heads, dim]."""
+    return PoolView(t, DTYPE_CODES[t.dtype], t.shape[2], t.shape[3], t.shape[3] * t.element_size())
+
+
+def store_view(store) -> PoolView | None:  # type: ignore[no-untyped-def]
+    """A `kvforge.kv.kv_stores` DenseStore or QuantStore as the kernel reads it (None: not readable)."""
+    data = store.data
+    if not data.is_contiguous() or data.device.type != "cpu":
+        return None
+    fmt = getattr(store, "fmt", None)
+    if fmt is None:
+        return dense_view(data) if data.dtype in DTYPE_CODES else None
+    heads, stored = data.shape[2], data.shape[3]
+    dim = stored * 2 if fmt.packed else stored
+    if store.granularity == "tensor":  # a store never written (or calibrated) reads with scale 1, as gather does
+        scale = store.static_scale if store.static_scale is not None else torch.ones(())
+        scale = scale.reshape(1).to(torch.float32).contiguous()
+    else:
+        scale = store.scale
+    return PoolView(data, FORMAT_CODES[fmt.name], heads, dim, stored, store.granularity, scale)
+
+
+def latent_views(latent: torch.Tensor, kv_lora_rank: int) -> tuple[PoolView, PoolView]:
+    """An MLA latent pool [NB, BS, rank + rope] as one-head K (the whole row) and V (its first `rank`)."""
+    esz = latent.element_size()
+    code = DTYPE_CODES[latent.dtype]
+    return (PoolView(latent, code, 1, latent.shape[2], latent.shape[2] * esz),
+            PoolView(latent, code, 1, kv_lora_rank, kv_lora_rank * esz))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvf_paged_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = ([ctypes.c_void_p, ctypes.POINTER(_KV), ctypes.POINTER(_KV)] + [ctypes.c_void_p] * 3
+                   + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
+    fn = lib.kvf_dequant_row
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_KV)] + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_void_p]
     fn = lib.kvf_paged_prefill
     fn.restype = ctypes.c_int
     fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
@@ -50,11 +128,27 @@ def unavailable_reason() -> str | None:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True when the kernel can serve these tensors (CPU, one dtype for q and cache, contiguous)."""
+    """True when the kernels can serve these dense tensors (CPU, one dtype for q and cache, contiguous)."""
     return (
         q.device.type == "cpu" and q.dtype in DTYPE_CODES and k_cache.dtype == q.dtype == v_cache.dtype
         and k_cache.is_contiguous() and v_cache.is_contiguous() and available()
     )
+
+
+def supports_views(q: torch.Tensor, k: PoolView | None, v: PoolView | None) -> bool:
+    """True when the decode kernel can read these views for q (any storage format, CPU, same pool shape)."""
+    return (k is not None and v is not None and q.device.type == "cpu" and q.dtype in DTYPE_CODES
+            and k.data.shape[:2] == v.data.shape[:2] and k.heads == v.heads and available())
+
+
+def dequantize_row(view: PoolView, slot: int, head: int, compute: torch.dtype) -> torch.Tensor:
+    """Row `slot`, head `head` of a view decoded exactly as the kernel decodes it (fp32 result; for tests)."""
+    lib = _load()
+    assert lib is not None, LIBRARY.error
+    out = torch.empty(view.dim, dtype=torch.float32)
+    st = view.struct()
+    lib.kvf_dequant_row(ctypes.byref(st), slot, head, view.dim, view.block_size, DTYPE_CODES[compute], out.data_ptr())
+    return out
 
 
 @dataclass(frozen=True)
@@ -76,28 +170,34 @@ def decode_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_block
 
 
 def paged_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor | DecodeIndices,
-    seq_lens: torch.Tensor | None, scale: float, sliding_window: int | None = None, softcap: float | None = None,
-    out: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor | PoolView, v_cache: torch.Tensor | PoolView,
+    block_tables: torch.Tensor | DecodeIndices, seq_lens: torch.Tensor | None, scale: float,
+    sliding_window: int | None = None, softcap: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [B, H, D], caches [NB, BS, Hkv, D|Dv], tables [B, nb], seq_lens [B] (or checked `DecodeIndices`
-    and None) -> [B, H, Dv] in q's dtype, written into `out` (contiguous) when given."""
+    """q [B, H, D], caches [NB, BS, Hkv, D|Dv] (dense tensors, or `PoolView`s of any stored format),
+    tables [B, nb], seq_lens [B] (or checked `DecodeIndices` and None) -> [B, H, Dv] in q's dtype,
+    written into `out` (contiguous) when given."""
     lib = _load()
     assert lib is not None, LIBRARY.error
+    k = k_cache if isinstance(k_cache, PoolView) else dense_view(k_cache)
+    v = v_cache if isinstance(v_cache, PoolView) else dense_view(v_cache)
     b, h, d = q.shape
-    nb_total, bs, hkv, _ = k_cache.shape
-    dv = v_cache.shape[-1]
+    hkv, dv = k.heads, v.dim
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
+    if d != k.dim:
+        raise ValueError(f"query head size ({d}) differs from the key head size ({k.dim})")
     q = q.contiguous()
-    idx = block_tables if isinstance(block_tables, DecodeIndices) else decode_indices(block_tables, seq_lens, nb_total, bs)
+    idx = (block_tables if isinstance(block_tables, DecodeIndices)
+           else decode_indices(block_tables, seq_lens, k.num_blocks, k.block_size))
     if out is None:
         out = torch.empty(b, h, dv, dtype=q.dtype)
     assert out.is_contiguous() and out.shape == (b, h, dv) and out.dtype == q.dtype
+    ks, vs = k.struct(), v.struct()
     rc = lib.kvf_paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), idx.tables.data_ptr(), idx.seq_lens.data_ptr(),
-        out.data_ptr(), b, h, hkv, d, dv, bs, idx.tables.shape[1], sliding_window or 0, scale, softcap or 0.0,
-        DTYPE_CODES[q.dtype],
+        q.data_ptr(), ctypes.byref(ks), ctypes.byref(vs), idx.tables.data_ptr(), idx.seq_lens.data_ptr(),
+        out.data_ptr(), b, h, hkv, d, dv, k.block_size, idx.tables.shape[1], sliding_window or 0, scale,
+        softcap or 0.0, DTYPE_CODES[q.dtype],
     )
     if rc != 0:
         raise MemoryError("CPU decode kernel could not allocate its scratch buffers")

@@ -11,7 +11,9 @@ Two exact ways to attend over it:
   query is projected into latent space once and scores are taken against the
   cached latents directly; the weighted latent sum is projected out through
   W_UV. Every head reads the same latent, i.e. MQA with one "KV head" of width
-  kv_lora_rank + rope_dim, and the cache is never expanded.
+  kv_lora_rank + rope_dim, and the cache is never expanded. On CPU the decode
+  kernel reads those latents in place (K and V are two widths of one pool), so
+  decode gathers nothing.
 
 Both reuse `kvforge.attention.paged_attention` (the engine's backend: masks, batching of
 decode rows and prefill chunks) through small views that present the latent
@@ -23,8 +25,8 @@ from dataclasses import replace
 
 import torch
 
+from kvforge.attention import cpu_kernel, paged_attention
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.attention import paged_attention
 from kvforge.kv.latent_cache import LatentKVCache
 
 
@@ -37,6 +39,13 @@ class _AbsorbedView:
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c_kv, k_rope = self.cache.gather_latent(block_tables)
         return torch.cat((c_kv, k_rope), dim=-1)[:, :, None], c_kv[:, :, None]
+
+    def kernel_views(self) -> tuple[cpu_kernel.PoolView | None, cpu_kernel.PoolView | None]:
+        """The same K and V read in place by the CPU decode kernel: one latent pool, two widths."""
+        latent = self.cache.latent
+        if latent.device.type != "cpu" or not latent.is_contiguous() or latent.dtype not in cpu_kernel.DTYPE_CODES:
+            return None, None
+        return cpu_kernel.latent_views(latent, self.cache.kv_lora_rank)
 
 
 class _DecompressedView:

@@ -13,15 +13,18 @@ import os
 import statistics
 import sys
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-from kvforge.commands.bench_client import LoadConfig, RequestResult, run_load
 from kvforge.commands.bench_datasets import check_dataset_args, random_dataset, shared_prefix_dataset
 
+if TYPE_CHECKING:  # the HTTP client (httpx) is imported when the benchmark runs, not when the parser is built
+    from kvforge.commands.bench_client import RequestResult
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)",
-                       description=__doc__)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (default %(default)s)")
+HELP = "load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", default=None, help="model id to send (default: the first one /v1/models lists)")
     p.add_argument("--api-key", default=None, help="bearer token (default: $KVFORGE_API_KEY)")
@@ -39,7 +42,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--save-json", default=None, metavar="PATH", help="write the summary and per-request figures here")
-    p.set_defaults(func=run)
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -117,11 +119,15 @@ def _resolve_model(base_url: str, api_key: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvforge.commands.bench_client import LoadConfig, run_load
+
     check_dataset_args(args)
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
     model = args.model or _resolve_model(args.base_url, api_key)
     if args.dataset == "random":

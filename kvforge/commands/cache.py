@@ -11,29 +11,29 @@ import json
 import os
 
 from kvforge.config import CacheConfig
+from kvforge.flags import default_of, flag_errors
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cache", help="prefix-cache tools (explain a miss)")
-    cache_sub = p.add_subparsers(dest="cache_command", metavar="SUBCOMMAND")
-    cache_sub.required = True
-    e = cache_sub.add_parser("explain", help="show where prompt B stops reusing prompt A's cached blocks")
+HELP = "show where prompt B stops reusing prompt A's cached blocks"
+
+
+def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("prompt_a", nargs="?", default=None, help="first prompt (the one already cached)")
     e.add_argument("prompt_b", nargs="?", default=None, help="second prompt")
     e.add_argument("--file-a", default=None, help="read prompt A from a file (for long prompts)")
     e.add_argument("--file-b", default=None, help="read prompt B from a file")
     e.add_argument("--model", default=None, help="HF folder or .gguf whose tokenizer to use (default SmolLM2-135M)")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--block-size", type=int, default=default_of(CacheConfig, "block_size"), help="tokens per KV block")
     e.add_argument("--salt-a", default=None, help="cache_salt of request A")
     e.add_argument("--salt-b", default=None, help="cache_salt of request B")
     e.add_argument("--json", action="store_true", help="print the report as JSON")
-    e.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.kv.explain import explain
 
-    block_size = CacheConfig(block_size=args.block_size).block_size  # validates, naming block_size
+    with flag_errors({"block_size": "--block-size"}):
+        block_size = CacheConfig(block_size=args.block_size).block_size  # validates
     prompt_a = _prompt(args.prompt_a, args.file_a, "a")
     prompt_b = _prompt(args.prompt_b, args.file_b, "b")
     tok = load_tokenizer(args.model)
@@ -65,13 +65,54 @@ def load_tokenizer(model: str | None):  # type: ignore[no-untyped-def]
     if os.path.isdir(path):
         return Tokenizer.from_dir(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        from gguf import GGUFReader
-
-        try:
-            reader = GGUFReader(path)
-        except Exception as e:  # gguf raises ValueError / struct errors on foreign files
-            raise ValueError(f"--model {path!r} is not a readable GGUF file: {e}") from e
-        return Tokenizer.from_gguf(reader)
+        return _gguf_tokenizer(path)
     if os.path.isfile(path):
         raise ValueError(f"--model {path!r} is a file but not a .gguf; pass a .gguf file or an HF model folder")
     raise FileNotFoundError(f"--model {path!r} does not exist (expected an HF model folder or a .gguf file)")
+
+
+def _gguf_tokenizer(path: str):  # type: ignore[no-untyped-def]
+    """A GGUF file's tokenizer, cached as JSON in kvforge's cache dir after the first use.
+
+    Why: reading GGUF metadata walks every vocabulary entry through numpy (seconds for a
+    49k vocabulary), far more than tokenizing two prompts. The cache key is the file's path,
+    size and mtime, so a changed file is read again.
+    """
+    import hashlib
+    import tempfile
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvforge.native import cache_root
+    from kvforge.tokenizer import Tokenizer
+
+    st = os.stat(path)
+    key = hashlib.sha256(f"v1|{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_root() / "tokenizers" / f"{os.path.basename(path)}-{key}.json"
+    if cached.is_file():
+        try:
+            data = json.loads(cached.read_text(encoding="utf-8"))
+            return Tokenizer(HFTokenizer.from_str(data["backend"]), **data["meta"])
+        except Exception:  # a damaged or foreign cache entry: rebuild it
+            pass
+    from gguf import GGUFReader
+
+    from kvforge.gguf_tokenizer import build_gguf_tokenizer
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError / struct errors on foreign files
+        raise ValueError(f"--model {path!r} is not a readable GGUF file: {e}") from e
+    backend, meta = build_gguf_tokenizer(reader)
+    meta = {"bos_token_id": None if meta["bos_token_id"] is None else int(meta["bos_token_id"]),
+            "eos_token_ids": [int(e) for e in meta["eos_token_ids"]], "add_bos_token": bool(meta["add_bos_token"]),
+            "chat_template": meta["chat_template"]}
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=cached.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"backend": backend.to_str(), "meta": meta}, f)
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a read-only cache dir only costs speed
+    return Tokenizer(backend, **meta)

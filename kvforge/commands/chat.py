@@ -8,23 +8,24 @@ from kvforge.commands.common import add_sampling_args, print_stream, sampling_pa
 from kvforge.engine.args import add_engine_cli_args, engine_args_from_cli
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="interactive multi-turn chat (type /exit or Ctrl-D to quit)")
+HELP = "interactive multi-turn chat (type /exit or Ctrl-D to quit)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--quiet-ledger", action="store_true")
+    p.add_argument("--quiet-ledger", action="store_true", help="do not print the start-up ledger")
     add_sampling_args(p, max_tokens=256)
     add_engine_cli_args(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvforge.engine.engine import LLMEngine
 
+    params = sampling_params_from_args(args)  # bad flags fail before the model loads
     engine = LLMEngine(engine_args_from_cli(args, log_ledger=not args.quiet_ledger))
     tok = engine.tokenizer
     if tok is None or not tok.has_chat_template:
         raise ValueError("this model has no chat template; use `kvforge generate` instead")
-    params = sampling_params_from_args(args)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:

@@ -2,20 +2,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvforge.commands.common import add_sampling_args, print_stream, sampling_params_from_args
 from kvforge.engine.args import add_engine_cli_args, engine_args_from_cli
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from one or more prompts")
+HELP = "generate text from one or more prompts"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", help="prompt text (several prompts run as one batch)")
     p.add_argument("--prompt-file", default=None, help="read prompts from a file, one per line")
     p.add_argument("--quiet-ledger", action="store_true", help="do not print the start-up ledger")
     add_sampling_args(p)
     add_engine_cli_args(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = list(args.prompts)
     if args.prompt_file:
+        if not os.path.isfile(args.prompt_file):
+            raise FileNotFoundError(f"--prompt-file {args.prompt_file!r} does not exist")
         with open(args.prompt_file, encoding="utf-8") as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:

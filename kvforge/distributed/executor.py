@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
+from kvforge.engine.engine import EngineFatal
 from kvforge.engine.model_runner import ModelRunner
 
 
-class RankFailure(RuntimeError):
+class RankFailure(EngineFatal):
     """A tensor-parallel rank died, hung or raised: the engine cannot continue."""
 
 
@@ -52,14 +53,16 @@ def _stop(procs: list, conns: list[Connection]) -> None:
 class TensorParallelExecutor:
     """Spawns `tensor_parallel_size` ranks (loopback by default) and talks to all of them."""
 
-    def __init__(self, args: Any, cfg: Any) -> None:
+    def __init__(self, config: Any, cfg: Any) -> None:
+        """`config`: the EngineConfig (dtype already resolved), sent to every rank; `cfg`: the ModelConfig."""
         import torch.multiprocessing as mp
 
         from kvforge.distributed.parallel_layers import check_tensor_parallel
 
-        check_tensor_parallel(cfg, args.tensor_parallel_size)  # a clear ValueError before any process starts
-        self.world = args.tensor_parallel_size
-        self.timeout = float(args.distributed_timeout)
+        parallel = config.parallel_config
+        check_tensor_parallel(cfg, parallel.tensor_parallel_size)  # a clear ValueError before any process starts
+        self.world = parallel.tensor_parallel_size
+        self.timeout = float(parallel.distributed_timeout)
         self.failure: str | None = None
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT") or _free_port(host))
@@ -67,7 +70,7 @@ class TensorParallelExecutor:
         self.procs, self.conns = [], []
         for rank in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_entry, args=(rank, self.world, host, port, args, child, self.timeout),
+            p = ctx.Process(target=_worker_entry, args=(rank, self.world, host, port, config, child, self.timeout),
                             name=f"kvforge-tp{rank}", daemon=True)
             p.start()
             child.close()
@@ -145,13 +148,14 @@ def _worker_entry(*args: Any) -> None:
 class TensorParallelRunner(ModelRunner):
     """ModelRunner whose forward passes run on the tensor-parallel ranks; sampling stays here."""
 
-    def __init__(self, executor: TensorParallelExecutor, kv: Any, seed: int, attention_backend: str,
-                 layer_groups: list[int] | None) -> None:
-        super().__init__(None, [], kv, torch.device("cpu"), seed, attention_backend, layer_groups)  # type: ignore[arg-type]
+    def __init__(self, executor: TensorParallelExecutor, layer_groups: list[int], block_size: int, seed: int,
+                 attention_backend: str) -> None:
+        super().__init__(None, [], layer_groups, block_size, torch.device("cpu"), seed,  # type: ignore[arg-type]
+                         attention_backend)
         self.executor = executor
         self._copies: list | None = None
 
-    def _copy_blocks(self, by_group: list) -> None:
+    def _copy_blocks(self, by_group: list[list[tuple[int, int]]]) -> None:
         """Queued for every rank's next forward pass (in order, even across steps that ran no model)."""
         if self._copies is None:
             self._copies = [list(pairs) for pairs in by_group]

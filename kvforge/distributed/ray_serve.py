@@ -23,17 +23,22 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvforge.distributed.router import Decision, KVAffinityRouter, RouterConfig
 from kvforge.kv.hashing import extend_block_hashes
 from kvforge.server.app import DEFAULT_MAX_REQUEST_BYTES, read_json
+from kvforge.server.metrics import CONTENT_TYPE
 from kvforge.server.protocol import APIError, GenerationRequest, parse_chat_request, parse_completion_request
 
 HASH_BYTES = 16  # hashes travel truncated: routing only; the engine confirms every hit by token ids
@@ -192,7 +197,8 @@ class KVForgeServer:
         """What the router needs, read on the engine thread between steps (a consistent view)."""
         def read(engine: Any) -> dict:
             stats = engine.kv.stats
-            return {"hashes": [h[:HASH_BYTES] for h in engine.pool.cached], "running": len(engine.scheduler.running),
+            # group 0 anchors prefix hits (kvforge/kv/coordinator.py): its cached hashes are what a request can reuse
+            return {"hashes": [h[:HASH_BYTES] for h in engine.kv.pools[0].cached], "running": len(engine.scheduler.running),
                     "waiting": len(engine.scheduler.waiting), "kv_usage": engine.pool.usage,
                     "prefix_queries": stats.queries, "prefix_hits": stats.hits}
         out = await self.engine.call(read)
@@ -294,40 +300,57 @@ class KVForgeIngress:
         from kvforge.distributed import ray_serve
 
         text = ray_serve.render_router_metrics(ray_serve.ROUTERS)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
+
+
+class RouterMetricsCollector(Collector):
+    """prometheus-client collector: routing decisions and, per replica, prefix-cache hit rate, load and routed
+    requests, read from the routers at scrape time (as kvforge/server/metrics.py reads its gauges)."""
+
+    def __init__(self, routers: list[KVAffinityRequestRouter]) -> None:
+        self.routers = routers
+
+    def collect(self) -> Iterator[Metric]:
+        decisions: dict[str, int] = {}
+        replicas: dict[str, dict] = {}
+        for r in self.routers:
+            r.refresh()
+            for kind, n in r.kv.decisions.items():
+                decisions[kind] = decisions.get(kind, 0) + n
+            view = r.kv.stats()["replicas"]
+            for rid, stats in r.replica_stats.items():
+                replicas[rid] = {**stats, **view.get(rid, {})}
+        fam = CounterMetricFamily("kvforge_router_decisions", "Requests routed, by decision "
+                                  "(affinity, load_fallback, no_prefix).", labels=["decision"])
+        for kind, n in sorted(decisions.items()):
+            fam.add_metric([kind], n)
+        yield fam
+        yield GaugeMetricFamily("kvforge_router_replica_reports", "Replicas whose routing stats the routers have "
+                                "received.", value=sum(len(r.reported) for r in self.routers))
+        series = [
+            (GaugeMetricFamily, "kvforge_replica_prefix_cache_hit_rate", "Prefix-cache hits / queries, as the replica "
+             "reported.", lambda s: s.get("prefix_hits", 0) / s["prefix_queries"] if s.get("prefix_queries") else 0.0),
+            (CounterMetricFamily, "kvforge_replica_routed_requests", "Requests this router sent to the replica.",
+             lambda s: s.get("routed", 0)),
+            (GaugeMetricFamily, "kvforge_replica_cached_blocks", "Block hashes the replica holds (router's view).",
+             lambda s: s.get("blocks", 0)),
+            (GaugeMetricFamily, "kvforge_replica_running", "Running requests, as last reported.",
+             lambda s: s.get("running", 0)),
+            (GaugeMetricFamily, "kvforge_replica_kv_usage", "KV cache utilisation, as last reported.",
+             lambda s: s.get("kv_usage", 0)),
+        ]
+        for family, name, help_text, fn in series:
+            fam = family(name, help_text, labels=["replica"])
+            for rid, st in sorted(replicas.items()):
+                fam.add_metric([rid], float(fn(st)))
+            yield fam
 
 
 def render_router_metrics(routers: list[KVAffinityRequestRouter]) -> str:
-    """Prometheus text: routing decisions and, per replica, prefix-cache hit rate, load and routed requests."""
-    lines = ["# HELP kvforge_router_decisions_total Requests routed, by decision (affinity, load_fallback, no_prefix).",
-             "# TYPE kvforge_router_decisions_total counter"]
-    decisions: dict[str, int] = {}
-    replicas: dict[str, dict] = {}
-    for r in routers:
-        r.refresh()
-        for kind, n in r.kv.decisions.items():
-            decisions[kind] = decisions.get(kind, 0) + n
-        view = r.kv.stats()["replicas"]
-        for rid, stats in r.replica_stats.items():
-            replicas[rid] = {**stats, **view.get(rid, {})}
-    lines += [f'kvforge_router_decisions_total{{decision="{k}"}} {v}' for k, v in sorted(decisions.items())]
-    reports = sum(len(r.reported) for r in routers)
-    lines += ["# HELP kvforge_router_replica_reports Replicas whose routing stats the routers have received.",
-              "# TYPE kvforge_router_replica_reports gauge", f"kvforge_router_replica_reports {reports}"]
-    series = [
-        ("kvforge_replica_prefix_cache_hit_rate", "gauge", "Prefix-cache hits / queries, as the replica reported.",
-         lambda s: s.get("prefix_hits", 0) / s["prefix_queries"] if s.get("prefix_queries") else 0.0),
-        ("kvforge_replica_routed_requests_total", "counter", "Requests this router sent to the replica.",
-         lambda s: s.get("routed", 0)),
-        ("kvforge_replica_cached_blocks", "gauge", "Block hashes the replica holds (router's view).",
-         lambda s: s.get("blocks", 0)),
-        ("kvforge_replica_running", "gauge", "Running requests, as last reported.", lambda s: s.get("running", 0)),
-        ("kvforge_replica_kv_usage", "gauge", "KV cache utilisation, as last reported.", lambda s: s.get("kv_usage", 0)),
-    ]
-    for name, kind, help_text, fn in series:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        lines += [f'{name}{{replica="{rid}"}} {float(fn(s)):g}' for rid, s in sorted(replicas.items())]
-    return "\n".join(lines) + "\n"
+    """Prometheus text (format 0.0.4) of `routers`, rendered by prometheus-client."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RouterMetricsCollector(routers))
+    return generate_latest(registry).decode()
 
 
 # ---- building and running the application -----------------------------------------------------

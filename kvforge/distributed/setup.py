@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.attention import describe_backend
 from kvforge.distributed.executor import TensorParallelRunner
-from kvforge.engine.startup_report import StartupReport, build_startup_report
-from kvforge.ledger import (
-    KVGroup, KVShape, format_bytes, kv_bytes_for_groups, kv_bytes_per_block, kv_bytes_per_token, tensor_parallel_kv,
-)
+from kvforge.engine.startup_report import StartupReport, report_for
+from kvforge.ledger import KVGroup, KVShape, format_bytes, kv_bytes_for_groups, tensor_parallel_kv
 
 
 def tensor_parallel_rows(shape: KVShape, tp: int, device_bytes: int, max_model_len: int, block_size: int,
@@ -32,33 +29,22 @@ def tensor_parallel_rows(shape: KVShape, tp: int, device_bytes: int, max_model_l
     ]
 
 
-def init_tensor_parallel_caches(engine: Any, groups: list[KVGroup], layer_groups: dict[int, int],
+def init_tensor_parallel_caches(engine: Any, groups: list[KVGroup], layer_groups: list[int],
                                 max_model_len: int) -> tuple[TensorParallelRunner, StartupReport]:
-    args, cfg = engine.args, engine.model_config
-    block_size = args.block_size
-    tp = args.tensor_parallel_size
+    """Every rank allocates its caches (its own KV heads); the runner that drives them; the per-device ledger."""
+    config, cfg, fmt = engine.config, engine.model_config, engine.cache_format
+    opts, block_size = config.model_config, config.cache_config.block_size
+    tp = config.parallel_config.tensor_parallel_size
     per_device = tensor_parallel_kv(cfg.kv_shape(), tp).per_device
-    per_layer = [groups[layer_groups[i]].num_blocks for i in range(cfg.num_layers)]
-    layer_of = [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None
-    allocated = engine.executor.call("caches", per_layer, layer_of, engine.cache_format, block_size)
-    expected = kv_bytes_for_groups(per_device, groups, block_size, engine.cache_format)
+    per_layer = [engine.kv.pools[g].num_physical_blocks for g in layer_groups]  # each pool's null block included
+    allocated = engine.executor.call("caches", per_layer, layer_groups, fmt, block_size)
+    expected = kv_bytes_for_groups(per_device, groups, block_size, fmt)
     if any(a != expected for a in allocated):
         raise RuntimeError(f"tensor-parallel ranks allocated {allocated} B of KV cache, the ledger says {expected} B")
-    runner = TensorParallelRunner(engine.executor, engine.kv, args.seed, args.attention_backend, layer_of)
-
+    runner = TensorParallelRunner(engine.executor, layer_groups, block_size, opts.seed, opts.attention_backend)
     info = engine.executor.rank_info[0]
-    report = StartupReport(
-        model=args.model or "SmolLM2-135M-Instruct (default)", architecture=cfg.architecture, dtype=args.dtype,
-        device=f"{info['device']} x {tp}", weights_bytes=info["weights_bytes"],
-        kv_dtype=engine.cache_format.k_dtype if engine.cache_format.k_dtype == engine.cache_format.v_dtype
-        else f"K {engine.cache_format.k_dtype}, V {engine.cache_format.v_dtype}",
-        kv_bytes_per_token=kv_bytes_per_token(per_device, engine.cache_format, block_size), block_size=block_size,
-        kv_bytes_per_block=kv_bytes_per_block(per_device, block_size, engine.cache_format),
-        num_blocks=groups[0].num_blocks, kv_cache_bytes=allocated[0], max_model_len=max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, groups=list(groups),
-        attention=describe_backend(args.attention_backend, info["device"].split(":")[0]),
-        linear=f"{info['linear']} (per rank)",
-        parallel=tensor_parallel_rows(cfg.kv_shape(), tp, allocated[0], max_model_len, block_size,
-                                      groups[0].num_blocks),
-    )
+    report = report_for(cfg, per_device, fmt, groups, block_size, max_model_len, allocated[0], config,
+                        f"{info['device']} x {tp}", info["weights_bytes"], f"{info['linear']} (per rank)")
+    report.parallel = tensor_parallel_rows(cfg.kv_shape(), tp, allocated[0], max_model_len, block_size,
+                                           groups[0].num_blocks)
     return runner, report

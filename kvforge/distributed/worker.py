@@ -43,26 +43,26 @@ def _to_device(meta: Any, device: torch.device) -> Any:
 
 
 class _Rank:
-    def __init__(self, rank: int, world: int, args: Any, device: torch.device) -> None:
-        from kvforge.config import ModelConfig
-        from kvforge.kv.cache_factory import TORCH_DTYPES
+    def __init__(self, rank: int, world: int, config: Any, device: torch.device) -> None:
+        from kvforge.config import ModelConfig, torch_dtype
         from kvforge.distributed.parallel_layers import shard_model
         from kvforge.models.linear import pack_linear_weights
         from kvforge.models.loader import load_checkpoint
         from kvforge.models.registry import build_model
 
-        self.rank, self.world, self.args, self.device = rank, world, args, device
-        checkpoint = load_checkpoint(args.model)
+        opts = config.model_config  # dtype already resolved by the engine ("auto" never reaches a rank)
+        self.rank, self.world, self.device = rank, world, device
+        checkpoint = load_checkpoint(opts.model)
         self.cfg = ModelConfig.from_hf(checkpoint.hf_config)
         model = build_model(self.cfg)
         model.load_weights(checkpoint.weights)
         del checkpoint
         shard_model(model, rank, world)
-        self.dtype = TORCH_DTYPES[args.dtype]
+        self.dtype = torch_dtype(opts.dtype)
         self.model = model.to(dtype=self.dtype, device=device).eval()
         pack_linear_weights(self.model)
         self.caches: list = []
-        self.layer_groups: list[int] | None = None
+        self.layer_groups: list[int] = []
 
     def info(self) -> dict:
         from kvforge.engine.startup_report import _describe_linear, weights_bytes
@@ -70,7 +70,7 @@ class _Rank:
         return {"weights_bytes": weights_bytes(self.model), "linear": _describe_linear(self.model),
                 "device": str(self.device), "pid": os.getpid()}
 
-    def make_caches(self, blocks_per_layer: list[int], layer_groups: list[int] | None, fmt: Any, block_size: int) -> int:
+    def make_caches(self, blocks_per_layer: list[int], layer_groups: list[int], fmt: Any, block_size: int) -> int:
         from kvforge.kv.cache_factory import make_layer_caches
         from kvforge.distributed.parallel_layers import kv_heads_of_rank
 
@@ -87,7 +87,7 @@ class _Rank:
              meta: Any, rows: list[int] | None) -> torch.Tensor | None:
         if copies:  # each group's copies go to that group's layers only
             for layer, cache in enumerate(self.caches):
-                pairs = copies[self.layer_groups[layer] if self.layer_groups else 0]
+                pairs = copies[self.layer_groups[layer]]
                 if pairs:
                     cache.copy_blocks(pairs)
         if input_ids is None:
@@ -102,14 +102,14 @@ class _Rank:
         return logits.cpu() if self.rank == 0 else None
 
 
-def worker_main(rank: int, world: int, master_addr: str, port: int, args: Any, conn: Connection,
+def worker_main(rank: int, world: int, master_addr: str, port: int, config: Any, conn: Connection,
                 timeout_s: float) -> None:
     """Entry point of a spawned rank; never returns an exception to the parent, it sends it."""
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback unless the deployment says otherwise
     try:
-        use_cuda = str(args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        use_cuda = str(config.model_config.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         if use_cuda:
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
@@ -118,7 +118,7 @@ def worker_main(rank: int, world: int, master_addr: str, port: int, args: Any, c
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://{master_addr}:{port}",
                                 rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-        state = _Rank(rank, world, args, device)
+        state = _Rank(rank, world, config, device)
         conn.send_bytes(pickle.dumps(("ok", state.info())))
         while True:
             msg = pickle.loads(conn.recv_bytes())

@@ -1,110 +1,151 @@
-"""EngineArgs: every engine option in one validated place, shared by LLM, the CLI and the server."""
+"""EngineConfig: every engine option, written once, validated once, shared by LLM, the CLI and the server.
+
+`EngineConfig` composes frozen section configs (model, cache, scheduler,
+parallel); each option is one `kvforge.flags.option` field in its section, and
+the engine flags of `kvforge generate|chat|serve` are generated from those
+fields, so a default lives in exactly one place. Adding an engine option is
+one field in the right section.
+
+`EngineArgs(**kwargs)` is the flat, vLLM-shaped spelling (`LLM(block_size=32)`):
+each keyword is routed to the section that declares it. Pure Python: building
+the parser or a config imports no torch (only `attention_backend="cpu"` asks
+the kernel loader whether it can build).
+"""
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvforge.config import KV_CACHE_DTYPES, KV_CACHE_SCALES, SUPPORTED_DTYPES, CacheConfig
-from kvforge.ledger import parse_bytes
+from kvforge.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig
+from kvforge.flags import add_dataclass_flags, flag_errors, flags_of, option, values_for
+from kvforge.engine.sampling_params import SEED_MAX
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
 
+@dataclass(frozen=True, slots=True)
+class ModelOptions:
+    """Which weights, in which dtype, on which device, through which attention path."""
 
-@dataclass(slots=True)
-class EngineArgs:
-    model: str | None = None  # None = the default model (SmolLM2-135M-Instruct GGUF)
-    dtype: str = "float32"
-    device: str | None = None  # None = cuda when available, else cpu
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"  # auto (model dtype), float16, bfloat16, float32, fp8 (= fp8_e4m3), fp8_e5m2, int8, int4
-    k_cache_dtype: str | None = None  # K alone (None: kv_cache_dtype), e.g. "auto" to keep K in the model dtype
-    v_cache_dtype: str | None = None  # V alone (None: kv_cache_dtype)
-    kv_cache_scale: str = "token"  # quantization scales: token, head, channel (K only), tensor (static, calibrated)
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    attention_backend: str = "auto"  # "torch" (reference), "sdpa" (fused), "cpu" (in-place C decode), "auto"
-    log_ledger: bool = True
-    tensor_parallel_size: int = 1  # ranks the model is sharded over (torch.distributed: gloo on CPU, NCCL on CUDA)
-    distributed_timeout: float = 300.0  # seconds a rank may take to answer a step before it is declared hung
+    model: str | None = option(None, "HF folder, .gguf file, or omitted for SmolLM2-135M-Instruct")
+    dtype: str = option("auto", "model dtype; auto: bf16 on CPUs with native bf16 (KVFORGE_AUTO_BF16=0: never), "
+                        "the checkpoint's on GPU, else fp32", choices=("auto", *SUPPORTED_DTYPES))
+    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda if available)")
+    seed: int = option(0, "seed for requests that do not set their own")
+    attention_backend: str = option(
+        "auto", "auto = cpu on CPU when a C compiler is present, else sdpa; cpu = in-place C kernels; "
+        "sdpa = PyTorch fused kernels; torch = reference implementation", choices=ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        from kvforge.attention import check_backend  # torch-heavy: imported only when an engine is configured
-
-        check_backend(self.attention_backend)
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.dtype not in ("auto", *SUPPORTED_DTYPES):
+            raise ValueError(f"dtype must be one of {('auto', *SUPPORTED_DTYPES)}, got {self.dtype!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                             f"got {self.attention_backend!r}")
+        if self.attention_backend == "cpu":  # can it build here? (imports torch: only when asked for)
+            from kvforge.attention import check_backend
+
+            check_backend(self.attention_backend)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How the model is split across devices: tensor parallelism over ranks the engine starts (kvforge/distributed)."""
+
+    tensor_parallel_size: int = option(
+        1, "shard the model over N ranks started by the engine (gloo on CPU, NCCL on CUDA; loopback unless "
+        "MASTER_ADDR is set)")
+    distributed_timeout: float = option(
+        300.0, "seconds a tensor-parallel rank may take to answer before the engine reports it hung")
+
+    def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if not isinstance(self.distributed_timeout, (int, float)) or not self.distributed_timeout > 0:
-            raise ValueError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}")
-        if tp > 1 and self.kv_cache_scale == "tensor":
+        t = self.distributed_timeout
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise ValueError(f"distributed_timeout must be a positive number of seconds, got {t!r}")
+
+
+SECTIONS: dict[str, type] = {
+    "model_config": ModelOptions, "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig,
+}
+# option name -> section; option names are unique across sections, so flat keywords are unambiguous
+_SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+assert len(_SECTION_OF) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values()), "option names must be unique"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_config: ModelOptions = field(default_factory=ModelOptions)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    log_ledger: bool = True  # print the memory ledger to stderr at start-up
+
+    def __post_init__(self) -> None:  # checks that span sections
+        if self.parallel_config.tensor_parallel_size > 1 and self.cache_config.kv_cache_scale == "tensor":
             raise ValueError("kv_cache_scale='tensor' is calibrated in one process; it is not supported with "
                              "tensor_parallel_size > 1 (use token, head or channel)")
-        self.cache_config()  # validates block_size, num_kv_blocks, kv_cache_dtype, k/v_cache_dtype, kv_cache_scale
 
-    def cache_config(self) -> CacheConfig:
-        memory = self.kv_cache_memory
-        if memory is None and self.num_kv_blocks is None:
-            memory = DEFAULT_KV_CACHE_MEMORY
-        return CacheConfig(
-            self.block_size, memory, self.num_kv_blocks, self.kv_cache_dtype, self.enable_prefix_caching,
-            self.k_cache_dtype, self.v_cache_dtype, self.kv_cache_scale,
-        )
+    @classmethod
+    def create(cls, **options: Any) -> "EngineConfig":
+        """From flat options (`block_size=32, dtype="bfloat16"`); bad values raise ValueError naming the option."""
+        return cls().replace(**options)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def replace(self, **options: Any) -> "EngineConfig":
+        """A copy with flat options changed, each section re-validated (e.g. another kv_cache_dtype)."""
+        per_section: dict[str, dict[str, Any]] = {}
+        top: dict[str, Any] = {}
+        for name, value in options.items():
+            if name == "log_ledger":
+                top[name] = value
+            elif name in _SECTION_OF:
+                per_section.setdefault(_SECTION_OF[name], {})[name] = value
+            else:
+                raise TypeError(f"unknown engine option {name!r}")
+        if "cache_config" in per_section and "kv_cache_memory" not in per_section["cache_config"]:
+            # kv_cache_memory was filled with the default when num_kv_blocks was None: recompute it
+            if "num_kv_blocks" in per_section["cache_config"]:
+                per_section["cache_config"]["kv_cache_memory"] = None
+        for section, values in per_section.items():
+            top[section] = dataclasses.replace(getattr(self, section), **values)
+        return dataclasses.replace(self, **top)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat options, as `create` takes them."""
+        flat: dict[str, Any] = {"log_ledger": self.log_ledger}
+        for section in SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, section)))
+        return flat
+
+
+def EngineArgs(model: str | None = None, **options: Any) -> EngineConfig:  # noqa: N802 (vLLM's name)
+    """The flat spelling of an EngineConfig: `EngineArgs(model=..., block_size=32)`."""
+    return EngineConfig.create(model=model, **options)
+
+
+ENGINE_FLAG_SECTIONS = (ModelOptions, CacheConfig, SchedulerConfig, ParallelConfig)
+ENGINE_FLAGS = flags_of(*ENGINE_FLAG_SECTIONS)  # option name -> CLI flag, for error messages
 
 
 def add_engine_cli_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags every serving command shares (`kvforge generate|chat|serve|bench`)."""
+    """The engine flags every engine command shares (`kvforge generate|chat|serve`), generated from the configs."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF folder, .gguf file, or omitted for SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default 1GiB)")
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="K and V storage: auto (model dtype), 16/32-bit floats, fp8 (e4m3), fp8_e5m2, int8, int4")
-    g.add_argument("--k-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="K alone (overrides --kv-cache-dtype)")
-    g.add_argument("--v-cache-dtype", default=None, choices=KV_CACHE_DTYPES, help="V alone (overrides --kv-cache-dtype)")
-    g.add_argument("--kv-cache-scale", default="token", choices=KV_CACHE_SCALES,
-                   help="quantization scales: per token, per head, per channel (K only, per block), per tensor (static)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="shard the model over N ranks started by the engine (gloo on CPU, NCCL on CUDA; loopback "
-                        "unless MASTER_ADDR is set)")
-    g.add_argument("--distributed-timeout", type=float, default=300.0,
-                   help="seconds a tensor-parallel rank may take to answer before the engine reports it hung")
-    g.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "sdpa", "torch"),
-                   help="auto (default) = cpu on CPU when a C compiler is present, else sdpa; cpu = in-place C decode "
-                        "kernel + SDPA prefill; sdpa = PyTorch fused kernels; torch = reference implementation")
+    for cls in ENGINE_FLAG_SECTIONS:
+        add_dataclass_flags(g, cls)
 
 
-def engine_args_from_cli(args: argparse.Namespace, **overrides: object) -> EngineArgs:
-    names = {f.name for f in fields(EngineArgs)}
-    values = {k: v for k, v in vars(args).items() if k in names}
+def engine_args_from_cli(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """EngineConfig from parsed flags; errors name the flag (`--block-size`), not the field."""
+    values: dict[str, Any] = {}
+    for cls in ENGINE_FLAG_SECTIONS:
+        values.update(values_for(cls, args))
     values.update(overrides)
-    return EngineArgs(**values)
+    with flag_errors(ENGINE_FLAGS):
+        return EngineConfig.create(**values)

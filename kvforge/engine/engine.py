@@ -13,21 +13,36 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvforge.config import ModelConfig, SchedulerConfig
-from kvforge.engine.args import EngineArgs
+from kvforge.config import ModelConfig, torch_dtype
+from kvforge.engine.args import EngineConfig
+from kvforge.engine.dtype_choice import resolve_dtype
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.engine.scheduler import Scheduler
+from kvforge.engine.request_check import RequestLimits, check_request
+from kvforge.engine.scheduler import Scheduler, SchedulerOutput
 from kvforge.engine.startup_report import StartupReport, build_startup_report
-from kvforge.kv.cache_factory import TORCH_DTYPES, make_layer_caches
-from kvforge.kv.calibration import calibrate_static_scales
-from kvforge.kv.hybrid import make_kv_manager
+from kvforge.engine.calibration import calibrate_static_scales
+from kvforge.kv.cache_factory import make_layer_caches
+from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
+from kvforge.progress import StageProgress
+
+
+class EngineFatal(RuntimeError):
+    """The engine itself cannot continue (e.g. a tensor-parallel rank died): `step` raises it unwrapped."""
+
+
+class StepFailed(RuntimeError):
+    """Running a step raised; `request_ids` are the caller requests scheduled in it (the cause is chained)."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"engine step failed for requests {request_ids}")
+        self.request_ids = request_ids
 
 
 @dataclass
@@ -40,51 +55,66 @@ class EngineCounters:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        from kvforge.models.loader import load_checkpoint
+    def __init__(self, config: EngineConfig) -> None:
+        from kvforge.models.loader import DEFAULT_MODEL_NAME, load_checkpoint
 
-        self.args = args
-        checkpoint = load_checkpoint(args.model)
-        self.tokenizer = checkpoint.tokenizer
-        self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.executor = None
-        if args.tensor_parallel_size > 1:  # the ranks load their own shards (kvforge/distributed)
-            from kvforge.distributed.executor import TensorParallelExecutor
+        self.config = config
+        opts = config.model_config
+        stages = ["reading weights", "building model", "packing linear layers"]
+        with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
+            checkpoint = load_checkpoint(opts.model)
+            p.next()
+            self.tokenizer = checkpoint.tokenizer
+            self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
+            self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
+            self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
+            opts = config.model_config
+            self.executor = None
+            if config.parallel_config.tensor_parallel_size > 1:  # the ranks load their own shards (kvforge/distributed)
+                from kvforge.distributed.executor import TensorParallelExecutor
 
+                del checkpoint
+                self.model = None
+                self.executor = TensorParallelExecutor(config, self.model_config)
+                p.next()
+                p.next()
+                self._init_cache_and_scheduler()
+                return
+            model = build_model(self.model_config)
+            model.load_weights(checkpoint.weights)
             del checkpoint
-            self.model = None
-            self.executor = TensorParallelExecutor(args, self.model_config)
-            self._init_cache_and_scheduler()
-            return
-        model = build_model(self.model_config)
-        model.load_weights(checkpoint.weights)
-        del checkpoint
-        self.model = model.to(dtype=TORCH_DTYPES[args.dtype], device=self.device).eval()
-        pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+            self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
+            p.next()
+            pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+            p.next()
         self._init_cache_and_scheduler()
 
     def _init_cache_and_scheduler(self) -> None:
-        args, cfg = self.args, self.model_config
-        cache_cfg = args.cache_config()
-        self.cache_format = cache_cfg.cache_format(args.dtype)
+        config, cfg = self.config, self.model_config
+        opts, cache_cfg, sched = config.model_config, config.cache_config, config.scheduler_config
+        self.cache_format = cache_cfg.cache_format(opts.dtype)
         shape = cfg.kv_shape()
         if self.executor is not None:  # one device's share: its own KV heads (replicated when too few)
-            shape = tensor_parallel_kv(shape, args.tensor_parallel_size).per_device
+            shape = tensor_parallel_kv(shape, config.parallel_config.tensor_parallel_size).per_device
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
             cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
         )
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes holds no block of this model's KV cache")
-        max_model_len = args.max_model_len or cfg.max_position_embeddings
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len)
-        # hybrid local/global models: one pool per window group in the memory of `num_blocks` shared blocks
+        max_model_len = sched.max_model_len or cfg.max_position_embeddings
+        self.scheduler_config = replace(sched, max_model_len=max_model_len)
+        # One pool per KV cache group (a plain model: one) in the memory of `num_blocks` single-table
+        # blocks, each pool's null block included.
         groups = split_kv_blocks(shape, self.cache_format, cache_cfg.block_size, num_blocks,
-                                 args.max_num_seqs, args.max_num_batched_tokens)
-        self.kv = make_kv_manager(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
+                                 sched.max_num_seqs, sched.max_num_batched_tokens)
+        if min(g.num_blocks for g in groups) < 1:
+            what = (f"num_kv_blocks={num_blocks}" if cache_cfg.num_kv_blocks
+                    else f"kv_cache_memory={cache_cfg.kv_cache_memory} bytes")
+            raise ValueError(f"{what} holds no usable block of this model's KV cache (each pool reserves a null block)")
+        self.kv = KVCacheCoordinator(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching)
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        layer_groups = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        layer_groups = [group_of[i] for i in range(cfg.num_layers)]
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
@@ -95,24 +125,25 @@ class LLMEngine:
             self.runner, self.report = init_tensor_parallel_caches(self, groups, layer_groups, max_model_len)
         else:
             caches = make_layer_caches(
-                cfg, self.cache_format, [groups[layer_groups[i]].num_blocks for i in range(cfg.num_layers)],
-                cache_cfg.block_size, self.device, TORCH_DTYPES[args.dtype],
+                cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
+                cache_cfg.block_size, self.device, torch_dtype(opts.dtype),
             )
-            self.runner = ModelRunner(self.model, caches, self.kv, self.device, args.seed, args.attention_backend,
-                                      [layer_groups[i] for i in range(cfg.num_layers)] if len(groups) > 1 else None)
+            self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
+                                      opts.attention_backend)
             self.report: StartupReport = build_startup_report(
-                self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, args
+                self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
             )
-        if args.log_ledger:
+        self.report.dtype_reason = self.dtype_reason
+        if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
 
     def reconfigure_kv_cache(self, **changes: object) -> None:
-        """Rebuild pool, manager, scheduler and runner with changed EngineArgs (e.g. kv_cache_dtype), keeping the
+        """Rebuild pool, manager, scheduler and runner with changed engine options (e.g. kv_cache_dtype), keeping the
         loaded weights: how `kvforge eval kv-quant` compares cache formats without reloading the model."""
         if self.has_unfinished_requests():
             raise RuntimeError("cannot reconfigure the KV cache while requests are running")
-        self.args = replace(self.args, **changes)  # type: ignore[arg-type]
+        self.config = self.config.replace(**changes)
         self._init_cache_and_scheduler()
 
     # ---- requests -------------------------------------------------------------------------
@@ -132,21 +163,30 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        self.check_request(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.samples:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
         req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n)
-        self.scheduler.add_request(req)  # validates lengths and n
+        self.scheduler.add_request(req)
         self.outputs.add(req, prompt)
         self.samples[request_id] = [req]
         return request_id
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for: the effective context length, vocabulary and batch width."""
+        return RequestLimits(self.scheduler_config.max_model_len, self.scheduler.max_seq_len,
+                             self.model_config.vocab_size, self.scheduler_config.max_num_seqs, self.kv.block_size)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      strict_max_tokens: bool = False) -> int:
+        """The single admission check (LLM, CLI and server alike): RequestRejected (a ValueError naming the
+        field) or the number of new tokens that fit after the prompt. Reads only immutable limits, so the
+        server may call it off the engine thread."""
+        return check_request(list(prompt_token_ids), params, self.limits, strict_max_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request and, with n > 1, every one of its samples."""
@@ -169,7 +209,18 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduled step. If running it fails, StepFailed names the caller requests it held, so a
+        server can fail just those and keep serving (their blocks are freed by abort_request)."""
         sched_out = self.scheduler.schedule()
+        try:
+            return self._run_step(sched_out)
+        except EngineFatal:
+            raise
+        except Exception as exc:
+            ids = list(dict.fromkeys(c.request.group_id for c in sched_out.chunks))
+            raise StepFailed(ids) from exc
+
+    def _run_step(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         now = time.monotonic()
         for chunk in sched_out.chunks:
             if chunk.request.first_scheduled_time is None:
@@ -209,7 +260,7 @@ class LLMEngine:
         if self.kv.allocate_slots(req, len(token_ids)) is None:
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
-            return self.runner.prompt_logits(req)
+            return self.runner.prompt_logits(req, self.kv.block_ids(req.request_id))
         finally:
             self.kv.free(req)
 

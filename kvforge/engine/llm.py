@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvforge.engine.args import EngineArgs
+from kvforge.engine.args import EngineArgs, EngineConfig
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
@@ -16,15 +16,15 @@ if TYPE_CHECKING:
 
 
 class LLM:
-    """`LLM(model=None)` loads the default model; every EngineArgs field is a keyword."""
+    """`LLM(model=None)` loads the default model; every engine option (`EngineConfig`) is a keyword."""
 
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLM":
-        """Build from an already validated EngineArgs (the CLI path)."""
+    def from_engine_args(cls, args: EngineConfig) -> "LLM":
+        """Build from an already validated EngineConfig (the CLI path)."""
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(args)
         llm.tokenizer = llm.engine.tokenizer

@@ -4,6 +4,10 @@ Holds the model and its per-layer paged caches. Builds input ids, positions,
 slot mapping and block tables (decode rows first, then prefill chunks),
 applies copy-on-write block copies, runs the forward pass, and samples the
 chunks that reach the end of their known tokens.
+
+Everything it knows about the KV cache arrives in the `SchedulerOutput`: block
+ids per KV cache group on each chunk, copies per group. It never calls the KV
+coordinator, so it can run in another process (a tensor-parallel rank).
 """
 from __future__ import annotations
 
@@ -12,22 +16,21 @@ import torch
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult, sample
+from kvforge.engine.sampling_params import sample_seed
 from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvforge.kv.cache_tensors import LayerKVCache
-from kvforge.kv.hybrid import HybridKVCacheManager
-from kvforge.kv.manager import KVCacheManager
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, caches: list[LayerKVCache], kv: KVCacheManager | HybridKVCacheManager,
-        device: torch.device, seed: int = 0, attention_backend: str = "auto", layer_groups: list[int] | None = None,
+        self, model: torch.nn.Module, caches: list[LayerKVCache], layer_groups: list[int], block_size: int,
+        device: torch.device, seed: int = 0, attention_backend: str = "auto",
     ) -> None:
-        self.model, self.caches, self.kv = model, caches, kv
-        # KV cache group of each layer (hybrid local/global models); None: one table for every layer
-        self.layer_groups = layer_groups
+        self.model, self.caches = model, caches
+        self.layer_groups = layer_groups  # KV cache group of each layer (all 0 for a plain model)
+        self.num_groups = max(layer_groups) + 1
         self.attention_backend = attention_backend
-        self.block_size = kv.block_size
+        self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(seed)
@@ -52,10 +55,10 @@ class ModelRunner:
             c = chunks[i]
             ids.extend(c.request.all_token_ids[c.start : c.start + c.num_tokens])
             positions.append(torch.arange(c.start, c.start + c.num_tokens))
-        tables = [self.kv.group_block_tables(c.request.request_id) for c in chunks]
-        metas = [self._metadata(chunks, decodes, prefills, [t[g] for t in tables]) for g in range(len(tables[0]))]
+        metas = [self._metadata(chunks, decodes, prefills, [c.block_ids[g] for c in chunks])
+                 for g in range(self.num_groups)]
         meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
-        if self.layer_groups is not None:
+        if self.num_groups > 1:
             meta = [metas[g] for g in self.layer_groups]
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         return input_ids, torch.cat(positions).to(self.device), meta, decodes + prefills
@@ -97,8 +100,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        if out.block_copies:
-            self._copy_blocks(self.kv.copies_by_group(out.block_copies))
+        if out.block_loads:
+            raise NotImplementedError("this runner has no second-level KV tier to load blocks from")
+        if out.has_copies:
+            self._copy_blocks(out.block_copies)
         if out.is_empty:
             return {}
         chunks = out.chunks
@@ -114,7 +119,7 @@ class ModelRunner:
                     rows.append(row - 1)
                     sampling.append(r)
         logits = self._forward_logits(input_ids, positions, meta, rows)
-        if not sampling:
+        if logits is None:  # nothing sampled this step
             return {}
         params = [r.sampling_params for r in sampling]
         gens = [self._generator(r.request_id, r.sampling_params.seed, r.sample_index) for r in sampling]
@@ -126,24 +131,26 @@ class ModelRunner:
         return {r.request_id: res for r, res in zip(sampling, results)}
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
-        """Seeded requests own a generator (sample i of n uses seed + i), kept across preemption."""
+        """Seeded requests own a generator (sample i of n: `sample_seed(seed, i)`), kept across preemption."""
         if seed is None:
             return self.default_generator
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = self.generators[request_id] = torch.Generator().manual_seed(seed + sample_index)
+            gen = self.generators[request_id] = torch.Generator().manual_seed(sample_seed(seed, sample_index))
         return gen
 
     def _copy_blocks(self, by_group: list[list[tuple[int, int]]]) -> None:
         """Copy-on-write block copies; each KV cache group's copies go to that group's layers only."""
         for layer, cache in enumerate(self.caches):
-            cache.copy_blocks(by_group[self.layer_groups[layer] if self.layer_groups else 0])
+            pairs = by_group[self.layer_groups[layer]]
+            if pairs:
+                cache.copy_blocks(pairs)
 
     def _forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | list[AttentionMetadata],
         rows: list[int] | None,
     ) -> torch.Tensor | None:
-        """Forward pass, then float32 logits (on CPU) of the flattened batch's `rows` (None: every row).
+        """Forward pass, then float32 logits (on CPU) of the flattened batch's `rows` (None: every row; []: none).
 
         The seam a multi-device executor overrides (kvforge/distributed/executor.py runs it on its ranks)."""
         hidden = self.model(input_ids, positions, self.caches, meta)
@@ -157,9 +164,9 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def prompt_logits(self, req: Request) -> torch.Tensor:
-        """Logits [T, V] for every token of `req`, whose blocks are already allocated (scoring/perplexity)."""
-        chunk = ScheduledChunk(req, 0, req.num_tokens)
+    def prompt_logits(self, req: Request, block_ids: list[list[int]]) -> torch.Tensor:
+        """Logits [T, V] for every token of `req`, whose blocks (`block_ids` per group) are allocated."""
+        chunk = ScheduledChunk(req, 0, req.num_tokens, block_ids=block_ids)
         input_ids, positions, meta, _ = self.prepare([chunk])
         logits = self._forward_logits(input_ids, positions, meta, None)
         assert logits is not None

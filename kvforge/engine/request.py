@@ -1,4 +1,4 @@
-"""A request's state as the scheduler and KV manager see it. Pure Python.
+"""A request's state as the scheduler and KV coordinator see it. Pure Python.
 
 Prefill and decode are not phases: a request has `num_computed_tokens`
 catching up with `num_tokens`; the scheduler hands it chunks until it has.
@@ -48,6 +48,9 @@ class Request:
     sample_index: int = 0
     # Token ids in order; prompt followed by outputs (kept in one list to avoid re-concatenation).
     all_token_ids: list[int] = field(default_factory=list)
+    # Prefix-cache hash of each full block, appended by the KV coordinator as blocks fill and kept across
+    # preemption (the tokens do not change); every KV cache group reads this one chain.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

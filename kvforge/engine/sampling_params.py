@@ -8,6 +8,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Seeds are int64 as in OpenAI's API schema, and non-negative: torch.Generator.manual_seed takes
+# [-2**63, 2**64) but aliases a negative seed to seed + 2**64, so one range keeps seeds unambiguous.
+SEED_MIN, SEED_MAX = 0, 2**63 - 1
+
+
+def sample_seed(seed: int, sample_index: int) -> int:
+    """Seed of sample `sample_index` of an n > 1 request: seed + i, wrapping inside [0, SEED_MAX].
+
+    Wrapping (rather than refusing seeds near the top) means every valid seed works with every n,
+    and the derived seed can never overflow the generator.
+    """
+    return (seed + sample_index) % (SEED_MAX + 1)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -37,7 +50,8 @@ class SamplingParams:
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
         check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "-1, 0 (disabled) or a positive integer")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        check(self.seed is None or _is_int(self.seed), "seed", "an integer or None")
+        check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), "seed",
+              f"None or an integer in [{SEED_MIN}, 2**63 - 1 = {SEED_MAX}]")
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "an integer >= 1 or None")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", "an integer in [0, 20] or None")

@@ -5,20 +5,20 @@ waiting ones while budget, sequence slots and blocks allow. When blocks run out
 the most recently admitted running request is preempted by recompute: its
 blocks are freed and it goes back to the front of the queue. A request with
 n > 1 samples is prefilled once; when its last prompt chunk samples, it is
-forked into n requests sharing its blocks (copy-on-write in the KV manager).
+forked into n requests sharing its blocks (copy-on-write in the KV coordinator).
+
+Everything the model runner needs from the KV cache travels in `SchedulerOutput`:
+each chunk's block ids per KV cache group, and the copy-on-write copies per group.
+The runner never calls the coordinator.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvforge.config import SchedulerConfig
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.kv.manager import KVCacheManager
-
-if TYPE_CHECKING:
-    from kvforge.kv.hybrid import HybridKVCacheManager
+from kvforge.kv.interface import BlockCopies, KVCacheCoordinatorProtocol, KVLoad
 
 
 @dataclass
@@ -27,6 +27,7 @@ class ScheduledChunk:
     start: int  # tokens already computed before this step
     num_tokens: int  # tokens computed this step
     forks: list[Request] = field(default_factory=list)  # n > 1: samples 1..n-1, forked when this chunk samples
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group: the request's block table
 
     @property
     def samples(self) -> bool:
@@ -37,8 +38,17 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    block_copies: list = field(default_factory=list)  # copy-on-write pairs; the KV manager splits them by group
+    block_copies: BlockCopies = field(default_factory=list)  # per KV cache group: copy-on-write (src, dst) pairs
     preempted: list[Request] = field(default_factory=list)
+    block_loads: list[KVLoad] = field(default_factory=list)  # KV tiers: second-level blocks to load (none yet)
+
+    def add_copies(self, copies: BlockCopies) -> None:
+        for group, pairs in zip(self.block_copies, copies):
+            group.extend(pairs)
+
+    @property
+    def has_copies(self) -> bool:
+        return any(self.block_copies)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -50,7 +60,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheCoordinatorProtocol) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
@@ -62,23 +72,9 @@ class Scheduler:
         self.max_seq_len = config.max_model_len if limit is None else min(config.max_model_len, limit)
 
     def add_request(self, req: Request) -> None:
-        n = req.num_prompt_tokens
-        if n == 0:
-            raise ValueError("prompt must contain at least one token")
-        if n >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens but max_model_len is {self.config.max_model_len}: "
-                "the prompt plus at least one generated token must fit"
-            )
-        if n >= self.max_seq_len:
-            raise ValueError(
-                f"prompt has {n} tokens but the whole KV cache holds {self.max_seq_len} tokens "
-                f"(blocks of {self.kv.block_size}); raise kv_cache_memory or num_kv_blocks"
-            )
+        """Queue a request the engine's `check_request` has accepted (lengths, n, seed are checked there)."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        if req.num_seqs > self.config.max_num_seqs:
-            raise ValueError(f"n={req.num_seqs} exceeds max_num_seqs={self.config.max_num_seqs}")
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -86,7 +82,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(block_copies=[[] for _ in range(self.kv.num_groups)])
         budget = self.config.max_num_batched_tokens
         for req in self.running:  # before any allocation, so a request the budget skips holds O(window) too
             self.kv.release_out_of_window(req)
@@ -104,7 +100,7 @@ class Scheduler:
                 copies = self.kv.allocate_slots(req, n)
             if copies is None:
                 break
-            out.block_copies.extend(copies)
+            out.add_copies(copies)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
             i += 1
@@ -113,6 +109,7 @@ class Scheduler:
         for chunk in out.chunks:
             if chunk.samples and chunk.request.num_seqs > 1:
                 chunk.forks = self._fork(chunk.request)
+            chunk.block_ids = self.kv.block_ids(chunk.request.request_id)  # final: every allocation is done
         return out
 
     def _fork(self, parent: Request) -> list[Request]:
@@ -157,7 +154,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.block_copies.extend(copies)
+            out.add_copies(copies)
             out.chunks.append(ScheduledChunk(req, num_cached, n))
             budget -= n
 

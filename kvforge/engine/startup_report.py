@@ -11,10 +11,12 @@ import torch
 
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
+from kvforge.engine.args import EngineConfig
 from kvforge.ledger import (
     QUANTIZED_DTYPES,
     KVCacheFormat,
     KVGroup,
+    KVShape,
     blocks_per_sequence,
     format_bytes,
     kv_bytes_for_groups,
@@ -43,6 +45,7 @@ class StartupReport:
     attention: str = ""  # the attention backend in use, fallbacks named
     linear: str = ""  # how linear layers run (oneDNN packing on CPU)
     parallel: list[tuple[str, str]] = field(default_factory=list)  # tensor parallelism: per-device rows
+    dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
 
     @property
     def token_capacity(self) -> int:
@@ -57,12 +60,14 @@ class StartupReport:
     def render(self) -> str:
         rows = [
             ("model", f"{self.model} ({self.architecture}, {self.dtype}, {self.device})"),
+            *((("dtype", f"{self.dtype} ({self.dtype_reason})"),) if self.dtype_reason else ()),
             ("weights", format_bytes(self.weights_bytes)),
             ("kv cache dtype", self.kv_dtype),
             ("kv bytes per token", f"{format_bytes(self.kv_bytes_per_token)} (all layers)"),
             ("kv block", f"{self.block_size} tokens = {format_bytes(self.kv_bytes_per_block)}"),
-            ("kv cache", f"{self.num_blocks} blocks = {format_bytes(self.kv_cache_bytes)}" if len(self.groups) < 2
-             else f"{len(self.groups)} groups, one pool each = {format_bytes(self.kv_cache_bytes)}"),
+            ("kv cache", f"{self.num_blocks} blocks + 1 null block = {format_bytes(self.kv_cache_bytes)}"
+             if len(self.groups) < 2
+             else f"{len(self.groups)} groups, one pool each (+1 null block each) = {format_bytes(self.kv_cache_bytes)}"),
             *self._group_rows(),
             ("kv capacity", f"{self.token_capacity} tokens"),
             ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
@@ -98,27 +103,36 @@ def weights_bytes(model: torch.nn.Module) -> int:
 
 def build_startup_report(
     model: torch.nn.Module, cfg: ModelConfig, fmt: KVCacheFormat, groups: list[KVGroup], block_size: int,
-    max_model_len: int, caches: list, args: object,
+    max_model_len: int, caches: list, config: EngineConfig,
 ) -> StartupReport:
     """`groups` are the KV cache groups with their block counts (`ledger.split_kv_blocks`), full attention first."""
-    shape = cfg.kv_shape()
-    per_block = kv_bytes_per_block(shape, block_size, fmt)
     allocated = sum(c.nbytes for c in caches)
-    expected = kv_bytes_for_groups(shape, groups, block_size, fmt)
+    expected = kv_bytes_for_groups(cfg.kv_shape(), groups, block_size, fmt)
     assert allocated == expected, f"cache allocated {allocated} B, ledger says {expected} B"
+    device = next(model.parameters()).device
+    return report_for(cfg, cfg.kv_shape(), fmt, groups, block_size, max_model_len, allocated, config, str(device),
+                      weights_bytes(model), _describe_linear(model))
+
+
+def report_for(
+    cfg: ModelConfig, shape: KVShape, fmt: KVCacheFormat, groups: list[KVGroup], block_size: int, max_model_len: int,
+    allocated: int, config: EngineConfig, device: str, weights: int, linear: str,
+) -> StartupReport:
+    """The report from figures already known: `shape` is what one device caches, `allocated` its KV bytes
+    (tensor parallelism: kvforge/distributed/setup.py passes one rank's)."""
+    per_block = kv_bytes_per_block(shape, block_size, fmt)
     kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
     if fmt.scale_granularity:  # quantized: say how the scales are laid out ("channel" is K only)
         scales = f"per {fmt.scale_granularity}"
         if fmt.scale_granularity == "channel":
             scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
         kv_dtype += f" (scales {scales})"
-    device = next(model.parameters()).device
     return StartupReport(
-        model=getattr(args, "model", None) or "SmolLM2-135M-Instruct (default)",
+        model=config.model_config.model or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,
-        dtype=getattr(args, "dtype", "float32"),
-        device=str(device),
-        weights_bytes=weights_bytes(model),
+        dtype=config.model_config.dtype,
+        device=device,
+        weights_bytes=weights,
         kv_dtype=kv_dtype,
         kv_bytes_per_token=kv_bytes_per_token(shape, fmt, block_size),
         block_size=block_size,
@@ -126,11 +140,11 @@ def build_startup_report(
         num_blocks=groups[0].num_blocks,
         kv_cache_bytes=allocated,
         max_model_len=max_model_len,
-        max_num_seqs=getattr(args, "max_num_seqs", 0),
-        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 0),
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         groups=list(groups),
-        attention=describe_backend(getattr(args, "attention_backend", "auto"), device.type),
-        linear=_describe_linear(model),
+        attention=describe_backend(config.model_config.attention_backend, device.split(":")[0]),
+        linear=linear,
     )
 
 

@@ -27,7 +27,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.ledger import KVCacheFormat, kv_bytes_per_token, max_concurrency, num_blocks_for_memory
+from kvforge.ledger import (
+    NULL_BLOCKS_PER_GROUP,
+    KVCacheFormat,
+    kv_bytes_per_token,
+    max_concurrency,
+    num_blocks_for_memory,
+)
 
 DEFAULT_VARIANTS = (
     "auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3@tensor", "int8", "int8@head", "int8@channel",
@@ -173,14 +179,17 @@ class KVQuantEval:
                     done[out.request_id] = list(out.outputs[0].token_ids)
         return [done[i] for i in ids]
 
-    def run_variant(self, variant: Variant) -> RowResult:
+    def run_variant(self, variant: Variant, on_measure=None) -> RowResult:  # type: ignore[no-untyped-def]
+        """Measure one variant; `on_measure()` is called after each of its `measurements_per_row` steps."""
         eng, opts = self.engine, self.opts
+        tick = on_measure or (lambda: None)
         eng.reconfigure_kv_cache(**variant.engine_changes())
         fmt: KVCacheFormat = eng.cache_format
         shape, bs = eng.model_config.kv_shape(), eng.kv.block_size
         row = RowResult(
             variant.spec, fmt.k_dtype, fmt.v_dtype, fmt.scale_granularity,
-            kv_bytes_per_token(shape, fmt, bs), num_blocks_for_memory(opts.capacity_memory, shape, bs, fmt),
+            kv_bytes_per_token(shape, fmt, bs),
+            num_blocks_for_memory(opts.capacity_memory, shape, bs, fmt) - NULL_BLOCKS_PER_GROUP,  # the pool's usable
             max_concurrency(opts.capacity_memory, shape, opts.capacity_seq_len, fmt, bs),
         )
         reference = not self.base_logp
@@ -195,9 +204,11 @@ class KVQuantEval:
                 else:
                     kl_total += _kl_sum(self.base_logp[(c, w)], logp)
                     kl_count += logp.shape[0]
+                tick()
             row.perplexity[c] = math.exp(nll / n)
         row.kl = kl_total / kl_count if kl_count else 0.0
         outputs = self._generate()
+        tick()
         if reference:
             self.base_outputs = outputs
             return row
@@ -208,18 +219,29 @@ class KVQuantEval:
             agree += sum(int(a == b) for a, b in zip(picks, base))
             first = next((i for i, (a, b) in enumerate(zip(mine, base)) if a != b), len(base))
             prefix += first / len(base)
+            tick()
         row.step_agreement = agree / (len(self.prompts) * opts.gen_tokens)
         row.same_prefix = prefix / len(self.prompts)
         return row
 
 
-def run_kv_quant_eval(engine, variants: list[Variant], options: EvalOptions, progress=None) -> list[RowResult]:
-    """Measure every variant; the unquantized ("auto") reference runs first and is always included."""
+def measured_variants(variants: list[Variant]) -> list[Variant]:
+    """The rows measured: the unquantized ("auto") reference first, then each quantized variant."""
+    return [Variant.parse("auto")] + [v for v in variants if (v.k_cache_dtype, v.v_cache_dtype) != ("auto", "auto")]
+
+
+def measurement_count(num_rows: int, options: EvalOptions) -> int:
+    """Progress units of a run: per row, each scored window and the greedy run; per compared row, each prompt."""
+    return num_rows * (len(options.contexts) * options.windows + 1) + (num_rows - 1) * options.num_prompts
+
+
+def run_kv_quant_eval(engine, variants: list[Variant], options: EvalOptions, progress=None,  # type: ignore[no-untyped-def]
+                      on_measure=None) -> list[RowResult]:
+    """Measure every variant (`measured_variants`); `progress(row)` after each row, `on_measure()` after each step."""
     ev = KVQuantEval(engine, options)
-    specs = [Variant.parse("auto")] + [v for v in variants if (v.k_cache_dtype, v.v_cache_dtype) != ("auto", "auto")]
     rows = []
-    for v in specs:
-        rows.append(ev.run_variant(v))
+    for v in measured_variants(variants):
+        rows.append(ev.run_variant(v, on_measure))
         if progress is not None:
             progress(rows[-1])
     engine.check_integrity()

@@ -2,14 +2,22 @@
 
 Freed blocks keep their hash and stay hittable until they are reused; the free
 queue's front is evicted first. Callers free a request's blocks tail-first so a
-chain's tail is evicted before its head. Pure Python.
+chain's tail is evicted before its head.
+
+Every pool also owns one reserved null block (id `num_blocks`, one row past the
+usable ones): it stands in a block table where a block was given back while the
+request runs (outside a sliding window, or dropped by lossy eviction), so table
+indices keep meaning token positions. It is never handed out, ref-counted,
+cached or freed, and its row is only ever read under an attention mask. Pure Python.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvforge.kv.hashing import BlockHash
+
+EvictCallback = Callable[[BlockHash, int], None]  # (evicted block's hash, its block id)
 
 
 class KVBlock:
@@ -37,6 +45,20 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        self.null_block = KVBlock(num_blocks)  # reserved: never in `blocks`, the free queue or the index
+        self._evict_listeners: list[EvictCallback] = []
+
+    @property
+    def num_physical_blocks(self) -> int:
+        """Rows the cache tensors need: the usable blocks plus the null block."""
+        return self.num_blocks + 1
+
+    def add_evict_listener(self, callback: EvictCallback) -> None:
+        """Call `callback(hash, block_id)` when a cached block is evicted, before its row is reused.
+
+        The hook a second-level KV tier uses to copy the block out while its data is still intact.
+        """
+        self._evict_listeners.append(callback)
 
     @property
     def num_free_blocks(self) -> int:
@@ -67,6 +89,8 @@ class BlockPool:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
                 self.num_evictions += 1
+                for callback in self._evict_listeners:
+                    callback(block.block_hash, block.block_id)
             block.block_hash = None
             block.token_ids = None
 
@@ -117,10 +141,14 @@ class BlockPool:
         holders: dict[int, int] = {}
         for table in tables:
             for block in table:
+                if block is self.null_block:
+                    continue
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         for block in self.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), f"{block} held by {holders.get(block.block_id, 0)}"
             assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), f"{block} free-queue mismatch"
+        null = self.null_block
+        assert null.ref_cnt == 0 and null.block_hash is None and null.block_id == self.num_blocks, "null block used"
         assert len(self.free_queue) + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks
         for h, block in self.cached.items():
             assert block.block_hash == h and block.token_ids is not None, f"index entry {block} stale"

@@ -9,15 +9,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kvforge.config import ModelConfig
+from kvforge.config import SUPPORTED_DTYPES, ModelConfig, torch_dtype
 from kvforge.kv.cache_tensors import DenseKVCache, GatherWorkspace, LayerKVCache
 from kvforge.kv.latent_cache import LatentKVCache
 from kvforge.kv.quant import is_quantized
 from kvforge.kv.quantized_cache import QuantizedKVCache
 from kvforge.ledger import KVCacheFormat
-
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def make_layer_caches(
     cfg: ModelConfig, fmt: KVCacheFormat, num_blocks: int | Sequence[int], block_size: int, device: torch.device,
@@ -30,7 +27,7 @@ def make_layer_caches(
     """
     per_layer = [num_blocks] * cfg.num_layers if isinstance(num_blocks, int) else list(num_blocks)
     quantized = is_quantized(fmt.k_dtype) or is_quantized(fmt.v_dtype)
-    dense_dtype = TORCH_DTYPES.get(fmt.k_dtype)
+    dense_dtype = torch_dtype(fmt.k_dtype) if fmt.k_dtype in SUPPORTED_DTYPES else None
     if not cfg.kv_shape().is_mla and (
         quantized or fmt.k_dtype != fmt.v_dtype or (compute_dtype is not None and dense_dtype != compute_dtype)
     ):  # K/V in their own formats (quantized, split, or stored in another dtype than the model's)
@@ -40,9 +37,9 @@ def make_layer_caches(
                              fmt.k_dtype, fmt.v_dtype, fmt.scale_granularity, compute_dtype or torch.float32, device)
             for n in per_layer
         ]
-    if fmt.k_dtype not in TORCH_DTYPES or fmt.v_dtype != fmt.k_dtype:
+    if fmt.k_dtype not in SUPPORTED_DTYPES or fmt.v_dtype != fmt.k_dtype:
         raise ValueError(f"kv_cache_dtype {fmt.k_dtype!r}/{fmt.v_dtype!r} is not supported by this build")
-    dtype = TORCH_DTYPES[fmt.k_dtype]
+    dtype = torch_dtype(fmt.k_dtype)
     shape = cfg.kv_shape()
     if shape.is_mla:  # MLA caches one latent per token (c_kv + shared rope key), not K/V per head
         rank = int(cfg.extra["kv_lora_rank"])

@@ -9,6 +9,8 @@ whitespace that should move out of the shared head. Pure Python, no torch.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -53,7 +55,7 @@ class PrefixMissReport:
         """Full blocks of B the cache could ever serve (the last prompt token is always recomputed)."""
         return (self.num_tokens_b - 1) // self.block_size
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["hit_tokens"] = self.hit_tokens
         d["prompt_blocks_b"] = self.prompt_blocks_b

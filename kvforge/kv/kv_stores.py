@@ -41,7 +41,7 @@ from kvforge.kv.quant import (
 class DenseStore:
     """One of K/V stored unquantized in `dtype`; gather casts to the compute dtype."""
 
-    def __init__(self, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.block_size = block_size
         self.data = torch.zeros(num_blocks, block_size, heads, dim, dtype=dtype, device=device)
 
@@ -66,7 +66,7 @@ class QuantStore:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, heads: int, dim: int, fmt: QuantFormat, granularity: str, device
+        self, num_blocks: int, block_size: int, heads: int, dim: int, fmt: QuantFormat, granularity: str, device: torch.device | str
     ) -> None:
         if fmt.packed and dim % 2:
             raise ValueError(f"kv_cache_dtype {fmt.name} packs two values per byte and needs an even head_dim, got {dim}")
@@ -82,6 +82,12 @@ class QuantStore:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data] if self.scale is None else [self.data, self.scale]
+
+    @property
+    def block_scales(self) -> torch.Tensor:
+        """The per-block scale tensor: every granularity but "tensor" has one."""
+        assert self.scale is not None, "a per-tensor store has no per-block scales"
+        return self.scale
 
     def set_static_scale(self, value: float | torch.Tensor | None) -> None:
         """Fix the per-tensor scale (None: the next write calibrates it from its own absmax)."""
@@ -102,13 +108,13 @@ class QuantStore:
             return
         scale = absmax_scales(x, self.granularity, self.fmt)  # [N] or [N, H]
         flat.index_copy_(0, slots, quantize(x, expand_scale(scale, self.granularity), self.fmt))
-        self.scale.view(-1, *self.scale.shape[2:]).index_copy_(0, slots, scale)
+        self.block_scales.view(-1, *self.block_scales.shape[2:]).index_copy_(0, slots, scale)
 
     def _write_channel(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         blocks = slots // self.block_size
-        self.scale[blocks[slots % self.block_size == 0]] = 0.0  # a block starts: forget the previous owner
+        self.block_scales[blocks[slots % self.block_size == 0]] = 0.0  # a block starts: forget the previous owner
         uniq, inv = torch.unique(blocks, return_inverse=True)
-        old = self.scale[uniq]  # [U, H, D]
+        old = self.block_scales[uniq]  # [U, H, D]
         need = channel_absmax(x, inv, uniq.numel()).clamp_min(ABSMAX_FLOOR) / self.fmt.qmax
         new = torch.maximum(old, need)
         grown = ((new > old) & (old > 0)).flatten(1).any(dim=1)  # blocks holding codes that must be rescaled
@@ -116,7 +122,7 @@ class QuantStore:
             ids = uniq[grown]
             values = dequantize(self.data[ids], old[grown][:, None], self.fmt, torch.float32)
             self.data[ids] = quantize(values, new[grown][:, None], self.fmt)
-        self.scale[uniq] = new
+        self.block_scales[uniq] = new
         codes = quantize(x, new[inv], self.fmt)
         self.data.view(-1, *self.data.shape[2:]).index_copy_(0, slots, codes)
 
@@ -127,8 +133,8 @@ class QuantStore:
         if self.granularity == "tensor":
             scale = self.static_scale if self.static_scale is not None else 1.0
         elif self.granularity == "channel":
-            scale = gather_blocks(self.scale, block_tables)[:, :, None]  # [B, nb, 1, H, D]
+            scale = gather_blocks(self.block_scales, block_tables)[:, :, None]  # [B, nb, 1, H, D]
         else:
-            scale = expand_scale(gather_blocks(self.scale, block_tables), self.granularity)
+            scale = expand_scale(gather_blocks(self.block_scales, block_tables), self.granularity)
         values = dequantize(codes, scale, self.fmt, dtype)
         return values.view(b, nb * self.block_size, *values.shape[3:])

@@ -30,7 +30,8 @@ def value_granularity(granularity: str | None) -> str | None:
 
 
 def make_store(
-    dtype: str, granularity: str | None, num_blocks: int, block_size: int, heads: int, dim: int, device
+    dtype: str, granularity: str | None, num_blocks: int, block_size: int, heads: int, dim: int,
+    device: torch.device | str,
 ) -> DenseStore | QuantStore:
     if is_quantized(dtype):
         return QuantStore(num_blocks, block_size, heads, dim, get_format(dtype), granularity or "token", device)

@@ -12,7 +12,7 @@ What differs from Llama, each matching transformers' Gemma2/Gemma3 modeling:
 - `layer_types` (or the older sliding_window_pattern) alternate sliding and global layers.
 
 The caches are ordinary K/V caches; sliding layers pass their window to the attention mask.
-Local and global layers are separate KV cache groups (kvforge.kv.hybrid): each layer receives its
+Local and global layers are separate KV cache groups (kvforge.kv.coordinator): each layer receives its
 group's metadata, so local layers read tables whose out-of-window blocks went back to their pool.
 """
 from __future__ import annotations

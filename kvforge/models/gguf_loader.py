@@ -1,6 +1,6 @@
 """Read a llama.cpp GGUF file into HF-named float32 weights and an HF-style config.
 
-The tokenizer stored beside them is rebuilt by `gguf_tokenizer`.
+The tokenizer stored beside them is rebuilt by `kvforge.gguf_tokenizer`.
 
 GGUF stores what `convert_hf_to_gguf.py` wrote: llama.cpp tensor names
 (`blk.0.attn_q.weight`), quantized blocks, and a few per-architecture
@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kvforge.gguf_tokenizer import field
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +74,6 @@ _IGNORED = {"rope_freqs.weight"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 Meta = Callable[..., Any]  # meta(key, default=None): one `{arch}.key` metadata value
-
-
-def field(reader: Any, key: str, default: Any = None) -> Any:
-    """One metadata value (scalar, string or list), or `default` when the key is absent."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
 
 
 def _f32(x: float) -> float:

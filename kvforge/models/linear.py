@@ -52,7 +52,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 # oneDNN picks the packed layout for an expected row count; 32 is what the benchmarks measured.
 PACK_BATCH_HINT = 32
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    """fp32 always; bf16 only where oneDNN can pack it (it refuses on CPUs without AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT, e.g. AVX2-only AMD EPYC: those keep bf16 weights dense)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), PACK_BATCH_HINT)
+    except (AttributeError, RuntimeError):
+        return (torch.float32,)
+    return (torch.float32, torch.bfloat16)
+
+
+PACKABLE_DTYPES = _packable_dtypes()
 
 
 class Linear(nn.Linear):

@@ -1,4 +1,4 @@
-"""Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias); MHA, GQA and MQA.
+"""Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (QK-norm), Qwen3-MoE; MHA, GQA and MQA.
 
 Parameter names follow the HF checkpoints so weights load without renaming.
 Each attention layer writes its new K/V into its paged cache and then attends
@@ -15,6 +15,7 @@ from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import LayerKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, pack_checkpoint, per_layer_metadata
 from kvforge.models.linear import Linear
+from kvforge.models.moe import DeepseekMoE, is_moe_layer
 
 
 class LlamaAttention(nn.Module):
@@ -34,12 +35,18 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=o_bias)
         self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
+        # Qwen3: RMSNorm over each head's q and k (head_dim wide) before the rotary embedding
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:  # rows of head_dim: the fused 2-D RMSNorm path
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -52,7 +59,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        self.mlp: nn.Module = (
+            DeepseekMoE(cfg) if is_moe_layer(cfg, layer_idx)
+            else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvforge.models.validate import ModelFileError, check_weight_shapes, safetensors_shapes, validate_hf_config
+
 if TYPE_CHECKING:
     import torch
 
@@ -76,6 +78,7 @@ def _load_gguf(path: str) -> Checkpoint:
     except Exception as e:  # gguf raises ValueError / struct errors on foreign files
         raise ValueError(f"model {path!r} is not a readable GGUF file: {e}") from e
     cfg = gguf_hf_config(reader)
+    validate_hf_config(cfg, path)
     return Checkpoint(path=path, hf_config=cfg, weights=gguf_weights(reader, cfg),
                       tokenizer=Tokenizer.from_gguf(reader))
 
@@ -86,9 +89,12 @@ def _load_hf_dir(path: str) -> Checkpoint:
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"model folder {path!r} has no config.json")
-    with open(cfg_file, encoding="utf-8") as f:
-        cfg = json.load(f)
-    weights = _load_safetensors(path)
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, RecursionError) as exc:
+        raise ModelFileError(f"{cfg_file}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
+    weights = _load_safetensors(path, cfg)
     if cfg.get("tie_word_embeddings", False):
         weights.pop("lm_head.weight", None)  # tied: the engine reuses embed_tokens
     elif "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
@@ -96,8 +102,10 @@ def _load_hf_dir(path: str) -> Checkpoint:
     return Checkpoint(path=path, hf_config=cfg, weights=weights, tokenizer=Tokenizer.from_dir(path))
 
 
-def _load_safetensors(path: str) -> dict[str, "torch.Tensor"]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, as float32 (ints stay as they are)."""
+def _load_safetensors(path: str, cfg: dict) -> dict[str, "torch.Tensor"]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, as float32 (ints stay as they are).
+
+    Every header is checked, and every shape against the config, before any tensor is read."""
     from safetensors.torch import load_file
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -108,6 +116,14 @@ def _load_safetensors(path: str) -> dict[str, "torch.Tensor"]:
         files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"model folder {path!r} has no *.safetensors weights")
+    validate_hf_config(cfg, os.path.join(path, "config.json"))
+    shapes: dict[str, list[int]] = {}
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"model folder {path!r}: {name} (named in the index) is missing")
+        shapes.update(safetensors_shapes(file))
+    check_weight_shapes(cfg, shapes, os.path.join(path, "config.json"))
     weights: dict = {}
     for name in files:
         for key, t in load_file(os.path.join(path, name)).items():

@@ -26,7 +26,7 @@ class TopkRouter(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         x = cfg.extra
-        self.num_experts = int(x["n_routed_experts"])
+        self.num_experts = num_routed_experts(cfg)
         self.top_k = int(x["num_experts_per_tok"])
         # transformers' DeepseekV3Config has no topk_method: V3 always routes noaux_tc
         self.method = x.get("topk_method") or ("noaux_tc" if cfg.model_type == "deepseek_v3" else "greedy")
@@ -40,6 +40,8 @@ class TopkRouter(nn.Module):
         if self.method != "greedy" and self.num_experts % self.n_group:
             raise ValueError(f"n_routed_experts ({self.num_experts}) must be a multiple of n_group ({self.n_group})")
         self.norm_topk_prob = bool(x.get("norm_topk_prob", False))
+        self.model_type = cfg.model_type
+        self.norm_eps = 0.0 if cfg_is_qwen(cfg.model_type) else 1e-20  # as each family's transformers code
         self.routed_scaling_factor = float(x.get("routed_scaling_factor", 1.0))
         self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
         if self.method == "noaux_tc":
@@ -70,12 +72,14 @@ class TopkRouter(nn.Module):
             choice = choice.masked_fill(~self._group_mask(choice), float("-inf"))
             idx = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, idx)
-        if self.norm_topk_prob and self.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.norm_topk_prob and (self.top_k > 1 or cfg_is_qwen(self.model_type)):
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         return weights * self.routed_scaling_factor, idx
 
 
 class DeepseekMoE(nn.Module):
+    """Routed experts plus optional always-on shared experts: DeepSeek-V2/V3, and Qwen3-MoE (no shared experts)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         x = cfg.extra
@@ -100,9 +104,26 @@ class DeepseekMoE(nn.Module):
         return out
 
 
-def is_moe_layer(cfg: ModelConfig, layer_idx: int) -> bool:
-    """DeepSeek: the first `first_k_dense_replace` layers are dense, then every `moe_layer_freq`-th is MoE."""
+def cfg_is_qwen(model_type: str) -> bool:
+    return model_type.startswith("qwen")
+
+
+def num_routed_experts(cfg: ModelConfig) -> int:
+    """Routed experts under any HF spelling (DeepSeek `n_routed_experts`, Qwen `num_experts` / `num_local_experts`)."""
     x = cfg.extra
-    if not x.get("n_routed_experts"):
+    return int(x.get("n_routed_experts") or x.get("num_experts") or x.get("num_local_experts") or 0)
+
+
+def is_moe_layer(cfg: ModelConfig, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` has a routed MoE feed-forward, by each family's rule.
+
+    Qwen3-MoE: every `decoder_sparse_step`-th layer (1-based) not in `mlp_only_layers`. DeepSeek: the
+    first `first_k_dense_replace` layers are dense, then every `moe_layer_freq`-th is MoE.
+    """
+    x = cfg.extra
+    if not num_routed_experts(cfg):
         return False
+    if cfg_is_qwen(cfg.model_type):
+        step = int(x.get("decoder_sparse_step") or 1)
+        return layer_idx not in (x.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0
     return layer_idx >= int(x.get("first_k_dense_replace") or 0) and layer_idx % int(x.get("moe_layer_freq") or 1) == 0

@@ -1,8 +1,9 @@
 """Building and loading kvforge's small C libraries (decode attention, fused elementwise ops).
 
 Why C through ctypes and not torch extensions: the sources need no torch
-headers, so the system C compiler builds each in about a second instead of the
-minute a `torch.utils.cpp_extension` build takes. They link the same
+headers, so the system C compiler builds each in seconds (5-16 s for the
+attention kernels on a small CPU, announced on stderr) instead of the minute a
+`torch.utils.cpp_extension` build takes. They link the same
 `libgomp.so.1` that torch already loaded (same soname), so they share torch's
 OpenMP threads.
 
@@ -22,8 +23,10 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -41,13 +44,17 @@ def _cpu_fingerprint() -> str:
         return platform.processor()
 
 
+def cache_root() -> Path:
+    """kvforge's on-disk cache: `$KVFORGE_CACHE_DIR`, default `~/.cache/kvforge` (kernels, tokenizers)."""
+    return Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge"))
+
+
 def cache_path(source: Path, compiler: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
         source.read_bytes() + " ".join(flags).encode() + version.encode() + _cpu_fingerprint().encode()
     ).hexdigest()[:16]
-    root = Path(os.environ.get("KVFORGE_CACHE_DIR", Path.home() / ".cache" / "kvforge")) / "kernels"
-    return root / f"{source.stem}-{key}.so"
+    return cache_root() / "kernels" / f"{source.stem}-{key}.so"
 
 
 def build(source: Path, compiler: str, flags: tuple[str, ...], target: Path) -> None:
@@ -94,7 +101,13 @@ class NativeLibrary:
         try:
             path = cache_path(self.source, compiler, flags)
             if not path.exists():
+                # 5-16 s for paged_decode.c on a small CPU: say so, once; later runs load the cached object
+                print(f"kvforge: compiling CPU kernels ({self.what}), once for this CPU... (cache: {path})",
+                      file=sys.stderr, flush=True)
+                start = time.perf_counter()
                 build(self.source, compiler, flags, path)
+                print(f"kvforge: compiled {path.name} in {time.perf_counter() - start:.1f} s",
+                      file=sys.stderr, flush=True)
             lib = ctypes.CDLL(str(path))
             self.declare(lib)
         except (OSError, AttributeError, subprocess.CalledProcessError) as exc:

@@ -1,91 +1,22 @@
-"""Architecture facts from any HF `config.json` dict: the KV shape and the parameter count.
+"""The planner's architecture facts beyond the KV shape: attention kind, parameter count, MoE width.
 
-`kvforge.config.ModelConfig` covers the llama family the engine runs; the planner must
-also size models the engine does not run yet (Gemma's local/global layers, DeepSeek's
-MLA and MoE), so it reads the raw dict here. Pure Python, no torch.
+The KV shape, windows and family come from `kvforge.hf_config`, the one reader the engine uses too;
+what is here sizes weights and activations from the raw dict, for models the engine runs and for
+those it only plans (any HF config.json). Pure Python, no torch.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from kvforge.ledger import KVShape
-
-# Families whose released checkpoints normally use GQA: a missing num_key_value_heads there is suspicious.
-GQA_FAMILIES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "granite"}
-MLA_FAMILIES = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
-
-
-def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The language-model part of a config (multimodal configs nest it under `text_config`)."""
-    inner = cfg.get("text_config")
-    return {**cfg, **inner} if isinstance(inner, dict) else cfg
-
-
-def _req(cfg: dict[str, Any], key: str) -> int:
-    """A required positive integer field; ValueError names the missing or bad field."""
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"model config has no {key!r} (is this a decoder-only HF config.json?)")
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value or value <= 0:
-        raise ValueError(f"model config field {key!r} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def is_mla(cfg: dict[str, Any]) -> bool:
-    return cfg.get("model_type") in MLA_FAMILIES or bool(cfg.get("kv_lora_rank"))
-
-
-def num_kv_heads(cfg: dict[str, Any]) -> int:
-    """KV heads as HF reads them: a missing `num_key_value_heads` means MHA (one per query head)."""
-    cfg = text_config(cfg)
-    value = cfg.get("num_key_value_heads")
-    return _req(cfg, "num_attention_heads") if value is None else _req(cfg, "num_key_value_heads")
-
-
-def head_dim(cfg: dict[str, Any]) -> int:
-    cfg = text_config(cfg)
-    return int(cfg.get("head_dim") or _req(cfg, "hidden_size") // _req(cfg, "num_attention_heads"))
-
-
-def layer_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
-    """Per-layer sliding window (None = full attention), following transformers' own rules."""
-    cfg = text_config(cfg)
-    n = _req(cfg, "num_hidden_layers")
-    mtype = cfg.get("model_type", "")
-    window = cfg.get("sliding_window")
-    if mtype in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
-        window = None  # Qwen configs carry sliding_window but disable it unless use_sliding_window
-    if not window:
-        return ()
-    window = int(window)
-    if window <= 0:
-        raise ValueError(f"model config field 'sliding_window' must be positive, got {window}")
-    if isinstance(cfg.get("layer_types"), list):
-        kinds = cfg["layer_types"]
-        if len(kinds) != n:
-            raise ValueError(f"layer_types has {len(kinds)} entries, expected num_hidden_layers={n}")
-        windows = tuple(window if k == "sliding_attention" else None for k in kinds)
-    elif mtype.startswith("gemma3"):  # 5 local layers then 1 global
-        pattern = int(cfg.get("sliding_window_pattern", 6))
-        windows = tuple(window if (i + 1) % pattern else None for i in range(n))
-    elif mtype == "gemma2":  # alternating, starting with a local layer
-        windows = tuple(window if (i + 1) % 2 else None for i in range(n))
-    elif mtype.startswith("qwen"):  # transformers: layers at index >= max_window_layers slide
-        first = int(cfg.get("max_window_layers", n))
-        windows = tuple(window if i >= first else None for i in range(n))
-    else:  # mistral and friends: every layer slides
-        windows = (window,) * n
-    return windows if any(windows) else ()
-
-
-def kv_shape_from_hf(cfg: dict[str, Any]) -> KVShape:
-    """The KVShape of any supported HF config: MHA/GQA/MQA, sliding windows, or MLA latents."""
-    cfg = text_config(cfg)
-    layers = _req(cfg, "num_hidden_layers")
-    if is_mla(cfg):  # one latent per token per layer: kv_lora_rank + the shared rope key
-        latent = _req(cfg, "kv_lora_rank") + _req(cfg, "qk_rope_head_dim")
-        return KVShape(layers, 1, latent, mla_latent_dim=latent)
-    return KVShape(layers, num_kv_heads(cfg), head_dim(cfg), sliding_windows=layer_windows(cfg))
+from kvforge.hf_config import GQA_FAMILIES as GQA_FAMILIES  # re-exported: the planner reads them via `arch`
+from kvforge.hf_config import MLA_FAMILIES as MLA_FAMILIES
+from kvforge.hf_config import head_dim as head_dim
+from kvforge.hf_config import is_mla as is_mla
+from kvforge.hf_config import kv_shape_from_hf as kv_shape_from_hf
+from kvforge.hf_config import layer_windows as layer_windows
+from kvforge.hf_config import num_kv_heads as num_kv_heads
+from kvforge.hf_config import required_int as _req
+from kvforge.hf_config import text_config as text_config
 
 
 def attention_kind(cfg: dict[str, Any]) -> str:

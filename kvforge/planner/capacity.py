@@ -22,7 +22,7 @@ class PlanOptions:
 
     seq_len: int = 4096
     batch: int = 32
-    block_size: int = 16
+    block_size: int = ledger.DEFAULT_BLOCK_SIZE
     gpu_memory: int | None = None
     memory_utilization: float = 0.9
     max_num_batched_tokens: int = 8192

@@ -56,8 +56,14 @@ def _next_pow2(n: int) -> int:
 
 
 def max_model_len_waste(col: Column, opts: PlanOptions) -> Lint | None:
-    """max_model_len far above the workload: memory planned per sequence that holds nothing."""
-    max_len = opts.max_model_len or model_max_len(col.cfg)
+    """max_model_len far above the workload: memory planned per sequence that holds nothing.
+
+    Only for a --max-model-len the user chose: a config's own default (DeepSeek-V2's 163,840)
+    is not a setting to warn about.
+    """
+    if opts.max_model_len is None:
+        return None
+    max_len = opts.max_model_len
     avg = opts.avg_seq_len or opts.seq_len
     if max_len < 4 * avg:
         return None

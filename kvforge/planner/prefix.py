@@ -51,7 +51,7 @@ def load_prompts(path: str) -> list[str]:
                for i in items]
     if any(not isinstance(p, str) for p in prompts):
         raise ValueError(f"--prompts {path!r}: every item must be a string or an object with 'prompt' or 'text'")
-    return prompts
+    return [p for p in prompts if isinstance(p, str)]  # all of them (checked above); narrows the type
 
 
 @dataclass(slots=True)

@@ -5,6 +5,8 @@ mean the same thing. Sizes are binary (KiB, MiB, GiB), as memory is allocated.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import json
 from dataclasses import asdict
 from typing import Any
@@ -39,7 +41,7 @@ def _groups_text(col: Column) -> str:
 
 def _rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
     """(row label, one cell per column); a label starting with '#' is a section heading."""
-    def row(label: str, fn) -> tuple[str, list[str]]:
+    def row(label: str, fn: Callable[..., str]) -> tuple[str, list[str]]:
         return label, [fn(c) for c in cols]
 
     rows = [
@@ -72,7 +74,7 @@ def _rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
             row(f"KV blocks ({opts.block_size} tokens)", lambda c: f"{c.capacity.num_blocks:,}"),
             row("KV tokens", lambda c: f"{c.capacity.num_tokens:,}"),
         ]
-        if any(len(c.capacity.groups) > 1 for c in cols):
+        if any(c.capacity is not None and len(c.capacity.groups) > 1 for c in cols):
             rows.append(row("KV groups: layers x blocks", _groups_text))
         rows += [
             row(f"sequences at max_model_len", lambda c: f"{c.capacity.concurrency_at_max:,} @ {c.capacity.max_model_len}"),

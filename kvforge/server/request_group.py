@@ -19,12 +19,20 @@ if TYPE_CHECKING:
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread hit an internal error and stopped; the server can no longer generate."""
+    """The engine cannot take this request: it stopped after an internal error, or the server is shutting down."""
+
+
+class ServerBusyError(RuntimeError):
+    """The waiting queue is full (`--max-waiting-requests`): HTTP 503 with Retry-After."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request hit an internal error in the engine and was failed alone; the engine keeps serving."""
 
 
 @dataclass
 class SubRequest:
-    """One engine request: a single sample (n=1) of one prompt."""
+    """One engine request: one prompt with all its samples (`params.n`), which share the prompt's blocks."""
 
     request_id: str
     prompt: str | None
@@ -52,7 +60,7 @@ class RequestGroup:
             pass
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (sub-request index, output) until every sub-request has finished."""
+        """Yield (sub-request index, output) until every sub-request has finished (all its samples)."""
         while self.unfinished:
             item = await self.queue.get()
             if isinstance(item, BaseException):

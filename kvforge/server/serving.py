@@ -1,7 +1,9 @@
-"""OpenAI completions and chat: tokenize, check lengths, fan out n samples, run, shape the JSON.
+"""OpenAI completions and chat: tokenize, check with the engine, run, shape the JSON.
 
-n > 1 is fanned out here into n engine requests (ids f"{id}-{i}", seed + i),
-as LLM.generate does, because LLMEngine.add_request takes one sample each.
+Each prompt is one engine request carrying `n`, as LLM.generate does: the engine prefills it
+once and forks n samples that share the prompt's blocks. Choice `p * n + i` is sample i of
+prompt p. The admission check is the engine's own (`LLMEngine.check_request`); this module
+only maps its field names onto the API's ("prompt" -> "messages" for chat).
 """
 from __future__ import annotations
 
@@ -9,16 +11,20 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import jinja2
 
-from kvforge.engine.outputs import RequestOutput
+from kvforge.engine.outputs import CompletionOutput, RequestOutput
+from kvforge.engine.request_check import RequestRejected
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.server.async_engine import AsyncEngine
 from kvforge.server.logprobs import chat_logprobs, completion_logprobs
 from kvforge.server.protocol import APIError, GenerationRequest
-from kvforge.server.request_group import EngineDeadError, RequestGroup, SubRequest
+from kvforge.server.request_group import EngineDeadError, RequestFailedError, RequestGroup, SubRequest
+
+# What a chat template or tokenizer raises on input it cannot render: the client's fault, never a 500.
+# OverflowError: the sandbox's range() limit; RecursionError: a template recursing on deep input.
+_RENDER_ERRORS = (ValueError, TypeError, OverflowError, RecursionError, UnicodeError, jinja2.TemplateError)
 
 
 class OpenAIServing:
@@ -26,25 +32,26 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
         self.model_name = model_name
-        self.max_model_len = engine.engine.scheduler.config.max_model_len
-        self.max_seq_len = engine.engine.scheduler.max_seq_len  # also bounded by the KV cache size
+        self.limits = engine.engine.limits
+        self.max_model_len = self.limits.max_seq_len  # effective: also bounded by what the KV cache holds
 
     # ---- preparation ----------------------------------------------------------------------
     def prepare(self, req: GenerationRequest) -> tuple[str, list[SubRequest]]:
-        """Validate against the model and the engine's limits; returns (response id, sub-requests)."""
+        """Validate against the model and the engine's limits; returns (response id, one sub-request per prompt)."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"the model '{req.model}' does not exist; this server serves '{self.model_name}'",
                            status=404, param="model", code="model_not_found")
         prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
         base = f"{prefix}-{uuid.uuid4().hex}"
         field = "messages" if req.kind == "chat" else "prompt"
+        params = _sampling_params(req)
         subs: list[SubRequest] = []
         for p, (text, ids) in enumerate(self._tokenize(req)):
-            max_tokens = self._check_lengths(req, len(ids), field)
-            params = _sampling_params(req, max_tokens)
-            for i in range(req.n):
-                sub_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
-                subs.append(SubRequest(f"{base}-{p * req.n + i}", text, ids, sub_params))
+            try:
+                self.engine.engine.check_request(ids, params, strict_max_tokens=True)
+            except RequestRejected as exc:
+                raise _rejected(exc, field) from exc
+            subs.append(SubRequest(f"{base}-{p}", text, ids, params))
         return base, subs
 
     def _tokenize(self, req: GenerationRequest) -> list[tuple[str | None, list[int]]]:
@@ -54,76 +61,69 @@ class OpenAIServing:
                 raise APIError("this model has no chat template; use /v1/completions", param="messages")
             try:
                 text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
-            except (ValueError, jinja2.TemplateError) as exc:
-                raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-            return [(text, tok.encode(text, add_special_tokens=False))]
+                return [(text, tok.encode(text, add_special_tokens=False))]
+            except _RENDER_ERRORS as exc:
+                raise APIError(f"the chat template could not render the messages: {_short(exc)}",
+                               param="messages") from exc
         out: list[tuple[str | None, list[int]]] = []
         for prompt in req.prompts:
             if isinstance(prompt, str):
                 if tok is None:
                     raise APIError("this model has no tokenizer; send 'prompt' as token ids", param="prompt")
-                out.append((prompt, tok.encode(prompt)))
+                try:
+                    out.append((prompt, tok.encode(prompt)))
+                except _RENDER_ERRORS as exc:
+                    raise APIError(f"'prompt' could not be tokenized: {_short(exc)}", param="prompt") from exc
             else:
                 out.append((None, list(prompt)))
         return out
 
-    def _check_lengths(self, req: GenerationRequest, n_prompt: int, field: str) -> int:
-        limit = self.max_seq_len
-        what = "max_model_len" if limit == self.max_model_len else "the KV cache capacity (tokens)"
-        if n_prompt == 0:
-            raise APIError(f"'{field}' is empty: it must contain at least one token", param=field)
-        if n_prompt >= limit:
-            raise APIError(f"'{field}' has {n_prompt} tokens but {what} is {limit}; the prompt and at least "
-                           "one generated token must fit", param=field, code="context_length_exceeded")
-        if req.max_tokens is None:
-            return limit - n_prompt
-        if n_prompt + req.max_tokens > limit:
-            raise APIError(f"'max_tokens' is {req.max_tokens} but the prompt has {n_prompt} tokens and {what} is "
-                           f"{limit}: at most {limit - n_prompt} new tokens fit", param="max_tokens",
-                           code="context_length_exceeded")
-        return req.max_tokens
-
     async def submit(self, req: GenerationRequest, subs: list[SubRequest]) -> RequestGroup:
         try:
             return await self.engine.submit(subs)
-        except ValueError as exc:  # the engine's own prompt checks (e.g. token ids out of range)
-            raise APIError(str(exc), param="messages" if req.kind == "chat" else "prompt") from exc
+        except RequestRejected as exc:
+            raise _rejected(exc, "messages" if req.kind == "chat" else "prompt") from exc
         except EngineDeadError as exc:
-            raise APIError(str(exc), status=503, type="server_error", code="engine_unavailable") from exc
+            raise _unavailable(exc) from exc
 
     # ---- non-streaming ---------------------------------------------------------------------
     async def complete(self, req: GenerationRequest, base: str, subs: list[SubRequest], group: RequestGroup) -> dict:
-        finals: dict[int, RequestOutput] = {}
+        finals: dict[int, RequestOutput] = {}  # by prompt index
         try:
-            async for idx, out in group:
+            async for p, out in group:
                 if out.finished:
-                    finals[idx] = out
+                    finals[p] = out
         except EngineDeadError as exc:
-            raise APIError(str(exc), status=503, type="server_error", code="engine_unavailable") from exc
+            raise _unavailable(exc) from exc
+        except RequestFailedError as exc:
+            raise APIError(str(exc), status=500, type="server_error", code="internal_error") from exc
         finally:
             group.abort()
         choices = []
-        for idx in range(len(subs)):
-            c = finals[idx].outputs[0]
-            lp = self._logprobs(req, c.token_ids, c.logprobs)
-            if req.kind == "chat":
-                choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            else:
-                choices.append({"index": idx, "text": c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        for p in range(len(subs)):
+            for c in finals[p].outputs:
+                idx = p * req.n + c.index
+                lp = self._logprobs(req, c.token_ids, c.logprobs)
+                if req.kind == "chat":
+                    choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                else:
+                    choices.append({"index": idx, "text": c.text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices.sort(key=lambda ch: ch["index"])
         obj = "chat.completion" if req.kind == "chat" else "text_completion"
         return {"id": base, "object": obj, "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": _usage(req, subs, finals)}
+                "choices": choices, "usage": _usage(subs, finals)}
 
     # ---- streaming -------------------------------------------------------------------------
     async def stream(self, req: GenerationRequest, base: str, subs: list[SubRequest],
                      group: RequestGroup) -> AsyncIterator[str]:
-        """Server-sent events; the group is aborted whenever this generator stops early."""
+        """Server-sent events; always ends with `[DONE]` (after an error event if the request failed)."""
         obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
-        sent_tokens = [0] * len(subs)
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body: dict = {"id": base, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -133,33 +133,44 @@ class OpenAIServing:
 
         try:
             if req.kind == "chat":
-                for idx in range(len(subs)):
+                for idx in range(len(subs) * req.n):
                     yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}])
-            async for idx, out in group:
-                c = out.outputs[0]
-                if not (c.delta_text or out.finished or (req.logprobs is not None and c.delta_token_ids)):
-                    continue  # e.g. half a UTF-8 character, or text held back as a possible stop string
-                start = sent_tokens[idx]
-                sent_tokens[idx] = len(c.token_ids)
-                lp = self._logprobs(req, c.token_ids[start:], (c.logprobs or [])[start:])
-                choice: dict = {"index": idx, "logprobs": lp, "finish_reason": c.finish_reason}
-                if req.kind == "chat":
-                    choice["delta"] = {"content": c.delta_text} if c.delta_text or not out.finished else {}
-                else:
-                    choice["text"] = c.delta_text
+            async for p, out in group:
                 if out.finished:
-                    finals[idx] = out
-                    choice["stop_reason"] = c.stop_reason
-                yield chunk([choice])
+                    finals[p] = out
+                for c in out.outputs:
+                    idx = p * req.n + c.index
+                    if idx in done:
+                        continue  # a sample that finished earlier is repeated in its request's final output
+                    if not (c.delta_text or c.finished or (req.logprobs is not None and c.delta_token_ids)):
+                        continue  # e.g. half a UTF-8 character, or text held back as a possible stop string
+                    yield chunk([self._stream_choice(req, idx, c, sent_tokens)])
+                    if c.finished:
+                        done.add(idx)
             if req.include_usage:
-                yield chunk([], _usage(req, subs, finals))
+                yield chunk([], _usage(subs, finals))
         except EngineDeadError as exc:
-            err = APIError(str(exc), status=503, type="server_error", code="engine_unavailable")
+            yield f"data: {json.dumps(_unavailable(exc).body())}\n\n"
+        except RequestFailedError as exc:
+            err = APIError(str(exc), status=500, type="server_error", code="internal_error")
             yield f"data: {json.dumps(err.body())}\n\n"
         finally:
             group.abort()
         yield "data: [DONE]\n\n"
+
+    def _stream_choice(self, req: GenerationRequest, idx: int, c: CompletionOutput, sent: dict[int, int]) -> dict:
+        start = sent.get(idx, 0)
+        sent[idx] = len(c.token_ids)
+        lp = self._logprobs(req, c.token_ids[start:], (c.logprobs or [])[start:])
+        choice: dict = {"index": idx, "logprobs": lp, "finish_reason": c.finish_reason}
+        if req.kind == "chat":
+            choice["delta"] = {"content": c.delta_text} if c.delta_text or not c.finished else {}
+        else:
+            choice["text"] = c.delta_text
+        if c.finished:
+            choice["stop_reason"] = c.stop_reason
+        return choice
 
     def _logprobs(self, req: GenerationRequest, token_ids: list[int],
                   logprobs: list[dict[int, float]] | None) -> dict | None:
@@ -169,9 +180,9 @@ class OpenAIServing:
         return fn(self.tokenizer, token_ids, logprobs, req.logprobs)
 
 
-def _sampling_params(req: GenerationRequest, max_tokens: int) -> SamplingParams:
+def _sampling_params(req: GenerationRequest) -> SamplingParams:
     try:
-        return SamplingParams(n=1, max_tokens=max_tokens, logprobs=req.logprobs, **req.sampling)
+        return SamplingParams(n=req.n, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.sampling)
     except (ValueError, TypeError) as exc:
         raise APIError(str(exc), param=_param_of(str(exc), None)) from exc
 
@@ -182,9 +193,29 @@ def _param_of(message: str, default: str | None) -> str | None:
     return word if word.isidentifier() else default
 
 
-def _usage(req: GenerationRequest, subs: list[SubRequest], finals: dict[int, RequestOutput]) -> dict:
-    prompt = sum(len(subs[p * req.n].prompt_token_ids) for p in range(len(subs) // req.n))
-    cached = sum(finals[p * req.n].num_cached_tokens for p in range(len(subs) // req.n) if p * req.n in finals)
-    completion = sum(len(o.outputs[0].token_ids) for o in finals.values())
+def _rejected(exc: RequestRejected, field: str) -> APIError:
+    """The engine's check speaks of "prompt"; chat requests name their field "messages"."""
+    message, param = str(exc), exc.param
+    if param == "prompt":
+        param = field
+        if message.startswith("prompt "):
+            message = f"'{field}'" + message[len("prompt"):]
+    return APIError(message, param=param, code=exc.code)
+
+
+def _short(exc: BaseException) -> str:
+    """An exception's message for a client: its type and first 200 characters, never a traceback."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+def _unavailable(exc: EngineDeadError) -> APIError:
+    return APIError(str(exc), status=503, type="server_error", code="engine_unavailable")
+
+
+def _usage(subs: list[SubRequest], finals: dict[int, RequestOutput]) -> dict:
+    prompt = sum(len(s.prompt_token_ids) for s in subs)
+    cached = sum(out.num_cached_tokens for out in finals.values())
+    completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}

@@ -15,10 +15,19 @@
  * into L2 a few blocks ahead. Per layer out of DRAM (32 sequences, ~400 tokens): bf16 0.95 -> 0.67
  * ms, fp32 1.2 -> 1.0 ms against the scalar loop (`benchmarks/attention_backends.py` times them).
  *
+ * Compressed caches are read in place too (`kvf_kv` below): fp8 e4m3/e5m2, int8 and packed int4
+ * codes with their scales (per tensor, token, token x head, or block x head x channel), and 16-bit
+ * or fp32 rows of another dtype than the compute dtype. Each row is decoded into fp32 registers
+ * (code * scale in fp32, then rounded to the compute dtype when that is 16-bit, exactly as
+ * `kvforge.kv.quant.dequantize(...).to(dtype)` does), so greedy output is the reference's; no copy of
+ * the cache is made. Such operands take the portable loops (the AVX-512 paths read dense rows).
+ * K and V may alias one tensor with different widths: the MLA latent cache (K = [c_kv, k_rope],
+ * V = c_kv) is one operand pair over one pool.
+ *
  * Layouts (all contiguous):
  *   q        [B, H, D]              compute dtype
- *   k_cache  [NB, BS, HKV, D]       storage dtype == compute dtype
- *   v_cache  [NB, BS, HKV, DV]
+ *   k        [NB, BS, HKV, D]       any `kvf_kv` storage; rows of k->row_bytes bytes
+ *   v        [NB, BS, HKV, DV]
  *   tables   [B, MAXNB] int64
  *   seq_lens [B] int64 (context length including the new token, >= 1)
  *   out      [B, H, DV]
@@ -80,6 +89,116 @@ static inline void store_row(void *p, const float *restrict src, int n, int code
     }
 }
 
+/* ---- compressed rows ------------------------------------------------------------------------ */
+enum { KVF_F32 = 0, KVF_BF16 = 1, KVF_F16 = 2, KVF_E4M3 = 3, KVF_E5M2 = 4, KVF_INT8 = 5, KVF_INT4 = 6 };
+enum { KVF_SCALE_NONE = 0, KVF_SCALE_TENSOR = 1, KVF_SCALE_TOKEN = 2, KVF_SCALE_HEAD = 3, KVF_SCALE_CHANNEL = 4 };
+
+/* One of K or V as it lies in the block pool. Token t of block b is row b * BS + t (its "slot"). */
+typedef struct {
+    const char *data;   /* codes or values */
+    const float *scale; /* tensor: [1]; token: [NB * BS]; head: [NB * BS, heads]; channel: [NB, heads, dim] */
+    int64_t row_bytes;  /* one token, all heads */
+    int64_t head_bytes; /* one head within a row */
+    int64_t heads;      /* heads per row (scale indexing) */
+    int64_t dim;        /* elements per head (scale indexing) */
+    int32_t code;       /* KVF_F32 .. KVF_INT4 */
+    int32_t gran;       /* KVF_SCALE_* */
+} kvf_kv;
+
+/* fp8 e4m3 (no infinities; 0x7F/0xFF never produced by the quantizer) as fp32, branch-free so loops
+ * vectorise, and without fp32 denormals (the kernels run with DAZ set): normals rebias the exponent
+ * (+120), subnormals m * 2^-9 come from an integer conversion. */
+static inline float e4m3_to_f32(uint8_t b) {
+    const uint32_t em = b & 0x7Fu;
+    const uint32_t u = ((uint32_t)(b & 0x80u) << 24) | ((em << 20) + (120u << 23));
+    float normal, sub = (float)(em & 7u) * (1.f / 512.f);
+    memcpy(&normal, &u, 4);
+    sub = (b & 0x80u) ? -sub : sub;
+    return (em >> 3) ? normal : sub;
+}
+
+/* fp8 e5m2 is the top byte of an IEEE half. */
+static inline float e5m2_to_f32(uint8_t b) {
+    const uint16_t u = (uint16_t)((uint16_t)b << 8);
+    _Float16 h;
+    memcpy(&h, &u, 2);
+    return (float)h;
+}
+
+/* Round fp32 to the compute dtype in place (code 1 bf16, 2 fp16), as the reference's `.to(dtype)`. */
+static inline __attribute__((always_inline)) void round_row(float *restrict x, int n, int code) {
+    if (code == KVF_BF16) {
+#pragma omp simd
+        for (int i = 0; i < n; i++) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+    } else if (code == KVF_F16) {
+#pragma omp simd
+        for (int i = 0; i < n; i++) x[i] = (float)(_Float16)x[i];
+    }
+}
+
+/* Row `slot`, head h of operand `op` as n fp32 values: a pointer into the pool when it already holds
+ * fp32, else decoded (and scaled, and rounded to `compute` when the storage differs) into dst. */
+static inline __attribute__((always_inline)) const float *kv_row(
+    float *restrict dst, const kvf_kv *op, int64_t slot, int64_t h, int n, int64_t BS, int compute) {
+    const char *p = op->data + slot * op->row_bytes + h * op->head_bytes;
+    const uint8_t *c = (const uint8_t *)p;
+    switch (op->code) {
+    case KVF_F32:
+        if (compute == KVF_F32) return (const float *)p; /* fp32 storage is never scaled */
+        memcpy(dst, p, (size_t)n * sizeof(float));
+        break;
+    case KVF_BF16:
+    case KVF_F16:
+        load_row(dst, p, n, op->code);
+        break;
+    case KVF_E4M3:
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = e4m3_to_f32(c[i]);
+        break;
+    case KVF_E5M2:
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = e5m2_to_f32(c[i]);
+        break;
+    case KVF_INT8:
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] = (float)(int8_t)c[i];
+        break;
+    default: /* KVF_INT4: two offset-binary codes a byte, the even element in the low nibble */
+#pragma omp simd
+        for (int i = 0; i < n / 2; i++) {
+            dst[2 * i] = (float)((int)(c[i] & 15u) - 8);
+            dst[2 * i + 1] = (float)((int)(c[i] >> 4) - 8);
+        }
+        break;
+    }
+    if (op->gran == KVF_SCALE_CHANNEL) {
+        const float *s = op->scale + ((slot / BS) * op->heads + h) * op->dim;
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] *= s[i];
+    } else if (op->gran != KVF_SCALE_NONE) {
+        const float s = op->gran == KVF_SCALE_TENSOR ? op->scale[0]
+                        : op->gran == KVF_SCALE_TOKEN ? op->scale[slot] : op->scale[slot * op->heads + h];
+#pragma omp simd
+        for (int i = 0; i < n; i++) dst[i] *= s;
+    }
+    if (compute != op->code) round_row(dst, n, compute);
+    return dst;
+}
+
+/* One row decoded the kernels' way, for tests of every code of every format (same FTZ/DAZ mode). */
+int kvf_dequant_row(const kvf_kv *op, int64_t slot, int64_t h, int64_t n, int64_t BS, int compute, float *out) {
+#ifdef KVF_HAVE_MXCSR
+    const unsigned int saved_csr = _mm_getcsr();
+    _mm_setcsr(saved_csr | 0x8040);
+#endif
+    const float *r = kv_row(out, op, slot, h, (int)n, BS, compute);
+    if (r != out) memcpy(out, r, sizeof(float) * (size_t)n);
+#ifdef KVF_HAVE_MXCSR
+    _mm_setcsr(saved_csr);
+#endif
+    return 0;
+}
+
 static inline __attribute__((always_inline)) float dot_f32(const float *restrict a, const float *restrict b, int n) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -92,20 +211,15 @@ static inline __attribute__((always_inline)) void axpy_f32(float *restrict y, fl
     for (int i = 0; i < n; i++) y[i] += w * x[i];
 }
 
-/* One key row against the G query heads of its group: scores st[g * stride]. */
+/* One key row (fp32) against the G query heads of its group: scores st[g * stride]. */
 static inline __attribute__((always_inline)) void score_row(
-    const float *qf, const char *kp, int64_t G, int D, int code, float *row, float *st, int64_t stride) {
-    /* 16-bit rows are widened once, not once per query head. */
-    const float *k = code == 0 ? (const float *)kp : row;
-    if (code != 0) load_row(row, kp, D, code);
+    const float *qf, const float *k, int64_t G, int D, float *st, int64_t stride) {
     for (int64_t g = 0; g < G; g++) st[g * stride] = dot_f32(qf + g * D, k, D);
 }
 
-/* One value row added into the G heads' accumulators, weighted by their probabilities pt[g * stride]. */
+/* One value row (fp32) added into the G heads' accumulators, weighted by their probabilities pt[g * stride]. */
 static inline __attribute__((always_inline)) void accumulate_row(
-    float *acc, const char *vp, int64_t G, int DV, int code, float *row, const float *pt, int64_t stride) {
-    const float *v = code == 0 ? (const float *)vp : row;
-    if (code != 0) load_row(row, vp, DV, code);
+    float *acc, const float *v, int64_t G, int DV, const float *pt, int64_t stride) {
     for (int64_t g = 0; g < G; g++) axpy_f32(acc + g * DV, pt[g * stride], v, DV);
 }
 
@@ -306,13 +420,23 @@ static void sort_by_length_desc(int64_t *order, const int64_t *lens, int64_t B) 
     }
 }
 
+/* True when op holds plain rows of the compute dtype in the dense [NB, BS, HKV, dim] layout. */
+static int dense_rows(const kvf_kv *op, int code, int64_t HKV, int64_t dim) {
+    const int64_t esz = code == 0 ? 4 : 2;
+    return op->code == code && op->gran == KVF_SCALE_NONE && op->head_bytes == dim * esz && op->row_bytes == HKV * dim * esz;
+}
+
 int kvf_paged_decode(
-    const void *q, const void *k_cache, const void *v_cache, const int64_t *tables, const int64_t *seq_lens,
+    const void *q, const kvf_kv *K, const kvf_kv *V, const int64_t *tables, const int64_t *seq_lens,
     void *out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t DV, int64_t BS, int64_t MAXNB,
     int64_t window, float scale, float softcap, int dtype_code) {
     const int64_t G = H / HKV;
     const size_t esz = dtype_code == 0 ? 4 : 2;
-    const size_t k_row = (size_t)HKV * D * esz, v_row = (size_t)HKV * DV * esz; /* one token, all KV heads */
+    const void *k_cache = K->data, *v_cache = V->data;
+    const size_t k_row = (size_t)K->row_bytes, v_row = (size_t)V->row_bytes; /* one token, all KV heads */
+    /* The AVX-512 paths read dense rows of the compute dtype; compressed rows take the portable loops. */
+    const int dense = dense_rows(K, dtype_code, HKV, D) && dense_rows(V, dtype_code, HKV, DV);
+    (void)dense;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     /* Work items are sequences, so each token's K/V row (all KV heads) is read whole and in order:
@@ -367,7 +491,7 @@ int kvf_paged_decode(
 
             /* Head size 64 with up to 8 query heads per KV head, fp32 or bf16: the AVX-512 path. */
 #ifdef KVF_HAVE_AVX512
-            const int fast = D == 64 && DV == 64 && G <= 8 && dtype_code != 2;
+            const int fast = dense && D == 64 && DV == 64 && G <= 8 && dtype_code != 2;
 #else
             const int fast = 0;
 #endif
@@ -395,14 +519,13 @@ int kvf_paged_decode(
                     if (i + BS < n) /* the next block lies elsewhere in the pool: start fetching it now */
                         for (size_t off = 0; off < k_row; off += 64)
                             __builtin_prefetch((const char *)k_cache + slots[i + BS] * k_row + off, 0, 2);
-                    const char *kr = (const char *)k_cache + slots[i] * k_row;
                     for (int64_t j = 0; j < heads_per_item; j++) {
-                        const char *kp = kr + (size_t)(kv0 + j) * D * esz;
                         float *st = scores + (j * G) * n + i;
                         if (D == 64) /* the common head size, as a constant: fully unrolled vector code */
-                            score_row(qf + j * G * D, kp, G, 64, dtype_code, row, st, n);
+                            score_row(qf + j * G * D, kv_row(row, K, slots[i], kv0 + j, 64, BS, dtype_code), G, 64, st, n);
                         else
-                            score_row(qf + j * G * D, kp, G, (int)D, dtype_code, row, st, n);
+                            score_row(qf + j * G * D, kv_row(row, K, slots[i], kv0 + j, (int)D, BS, dtype_code), G,
+                                      (int)D, st, n);
                     }
                 }
             }
@@ -470,15 +593,14 @@ int kvf_paged_decode(
                     if (i + BS < n)
                         for (size_t off = 0; off < v_row; off += 64)
                             __builtin_prefetch((const char *)v_cache + slots[i + BS] * v_row + off, 0, 2);
-                    const char *vr = (const char *)v_cache + slots[i] * v_row;
                     for (int64_t j = 0; j < heads_per_item; j++) {
-                        const char *vp = vr + (size_t)(kv0 + j) * DV * esz;
                         const float *pt = scores + (j * G) * n + i;
                         float *aj = acc + (j * G) * DV;
                         if (DV == 64)
-                            accumulate_row(aj, vp, G, 64, dtype_code, row, pt, n);
+                            accumulate_row(aj, kv_row(row, V, slots[i], kv0 + j, 64, BS, dtype_code), G, 64, pt, n);
                         else
-                            accumulate_row(aj, vp, G, (int)DV, dtype_code, row, pt, n);
+                            accumulate_row(aj, kv_row(row, V, slots[i], kv0 + j, (int)DV, BS, dtype_code), G, (int)DV,
+                                           pt, n);
                     }
                 }
             }

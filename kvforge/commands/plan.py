@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
+from kvforge.config import CacheConfig
+from kvforge.flags import default_of
 from kvforge.ledger import parse_bytes
 from kvforge.planner.capacity import Column, PlanOptions, build_column
 from kvforge.planner.lints import Lint, column_lints
@@ -23,11 +24,10 @@ from kvforge.planner.specs import (
 )
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "plan", help="KV-cache memory ledger and capacity plan for a model",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+HELP = "KV-cache memory ledger and capacity plan for a model"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"preset ({', '.join(PRESETS)}), config.json or model dir; append :KEY=VALUE to override fields")
     p.add_argument("--dtype", default="auto", help="weights dtype (default: the config's; float32 served as bf16)")
@@ -37,7 +37,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="scale layout of quantized KV (default: per token)")
     p.add_argument("--compare", default=None,
                    help="comma list of models and/or KV formats shown side by side, e.g. llama-2-7b,llama-3-8b or fp16,fp8")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--block-size", type=positive_int, default=default_of(CacheConfig, "block_size"),
+                   help="tokens per KV block")
     p.add_argument("--seq-len", type=positive_int, default=4096, help="sequence length for the ledger rows")
     p.add_argument("--batch", type=positive_int, default=32, help="number of sequences for the batch row")
     p.add_argument("--gpu-memory", default=None, help="GPU memory, e.g. 80GiB: enables the capacity plan")
@@ -55,8 +56,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="devices the model is sharded over: KV, weights and capacity per device, KV replication")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw KV memory and concurrency vs context length")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=run)
-    return p
 
 
 def options_from_args(args: argparse.Namespace) -> PlanOptions:

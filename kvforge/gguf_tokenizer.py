@@ -10,7 +10,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvforge.models.gguf_loader import field
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """One GGUF metadata value (scalar, string or list), or `default` when the key is absent.
+
+    Lives here, below `models/`, because the tokenizer reads GGUF metadata too and must not import models.
+    """
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
 
 logger = logging.getLogger(__name__)
 

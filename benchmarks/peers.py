@@ -1,0 +1,281 @@
+"""kvforge vs OpenVINO GenAI's ContinuousBatchingPipeline: same token ids, same budget per step.
+
+Workloads (random token ids from one seed, identical for both engines, `ignore_eos`):
+- single: one stream, 128-token prompt, 128 new tokens -> TTFT and decode tok/s
+- batch: 32 requests, prompts U[32, 512], outputs U[32, 256] -> output tok/s
+- shared: 32 requests = one 384-token prefix + 32 own tokens, 32 out, prefix caching on -> output tok/s
+- long: 16 x 2,048-token prompts, 64 out -> output tok/s and decode-phase tok/s (tokens generated
+  once every prompt has its first token, over the time since)
+each in fp32 and bf16 weights, KV in the model dtype ("model") and in 8 bit ("8bit": kvforge int8,
+OpenVINO u8). Every (engine, dtype, kv, workload) runs in its own process.
+
+OpenVINO runs under another interpreter (it needs its own venv; see the recipe in README.md
+"Peer benchmark") and an exported model folder:
+
+    python benchmarks/peers.py --openvino-python /path/ovenv/bin/python --openvino-model /path/ov_fp32
+    python benchmarks/peers.py --engines kvforge --workloads long batch --dtype bfloat16   # kvforge only
+
+Without `--openvino-model` (or when that interpreter cannot import openvino_genai) OpenVINO is skipped
+with a message. `--scale` shrinks request counts and lengths for a quick run on a loaded machine.
+Prints one table, saves JSON and a plot under benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+VOCAB = 49152  # the default model's vocabulary
+WORKLOADS = ("single", "batch", "shared", "long")
+BUDGET = dict(max_num_seqs=64, max_num_batched_tokens=1024)  # both engines: same token budget per step
+KV_MEMORY_GIB = 2
+
+
+def requests(workload: str, seed: int, scale: float, vocab: int = VOCAB) -> list[tuple[list[int], int]]:
+    """(prompt ids, output tokens) per request; deterministic in (workload, seed, scale, vocab)."""
+    rng = random.Random(seed)
+    low = min(100, vocab // 4)
+    tok = lambda n: [rng.randrange(low, vocab - low) for _ in range(max(1, int(n)))]  # noqa: E731
+    n = lambda k: max(1, round(k * scale))  # noqa: E731
+    if workload == "single":
+        return [(tok(128), 128)]
+    if workload == "batch":
+        return [(tok(rng.randint(32, 512) * min(scale, 1)), max(2, int(rng.randint(32, 256) * min(scale, 1))))
+                for _ in range(n(32))]
+    if workload == "shared":
+        prefix = tok(384)
+        return [(prefix + tok(32), 32) for _ in range(n(32))]
+    if workload == "long":
+        return [(tok(2048 * min(scale, 1)), 64) for _ in range(n(16))]
+    raise ValueError(workload)
+
+
+class Meter:
+    """Times a step loop from what each step emitted: TTFT, output tokens, the decode phase."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.t0 = time.perf_counter()
+        self.first: dict[int, float] = {}
+        self.tokens = 0
+        self.decode_start: float | None = None
+        self.decode_tokens = 0
+        self.n = num_requests
+
+    def emitted(self, rid: int, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.perf_counter()
+        self.first.setdefault(rid, now)
+        self.tokens += count
+        if self.decode_start is not None:
+            self.decode_tokens += count
+
+    def end_step(self) -> None:
+        if self.decode_start is None and len(self.first) == self.n:
+            self.decode_start = time.perf_counter()
+
+    def result(self) -> dict:
+        end = time.perf_counter()
+        wall = end - self.t0
+        ttft = min(self.first.values()) - self.t0 if self.first else float("nan")
+        dec = self.decode_tokens / (end - self.decode_start) if self.decode_start and end > self.decode_start else 0.0
+        return {"wall_s": wall, "out_tok_s": self.tokens / wall, "ttft_ms": ttft * 1e3, "decode_tok_s": dec}
+
+
+def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool, model: str | None = None) -> dict:
+    from kvforge import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, kv_cache_dtype="int8" if kv == "8bit" else "auto",
+              kv_cache_memory=f"{KV_MEMORY_GIB}GiB", max_model_len=4096, log_ledger=False, **BUDGET)
+    engine = llm.engine
+    if warm:
+        llm.generate(prompt_token_ids=[[work[0][0][0]] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        llm.reset_prefix_cache()
+    ids = {}
+    meter = Meter(len(work))
+    for i, (prompt, out) in enumerate(work):
+        rid = engine.add_request(prompt_token_ids=prompt,
+                                 params=SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+        ids[rid] = i
+    seen = [0] * len(work)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            i = ids[o.request_id]
+            n = len(o.outputs[0].token_ids)
+            meter.emitted(i, n - seen[i])
+            seen[i] = n
+        meter.end_step()
+    assert seen == [o for _, o in work], "kvforge produced a different number of tokens than asked"
+    return meter.result()
+
+
+def run_openvino(model_dir: str, dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool) -> dict:
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    sched = ov_genai.SchedulerConfig()
+    sched.cache_size = KV_MEMORY_GIB
+    sched.max_num_seqs = BUDGET["max_num_seqs"]
+    sched.max_num_batched_tokens = BUDGET["max_num_batched_tokens"]
+    sched.dynamic_split_fuse = True
+    sched.enable_prefix_caching = True
+    props = {"INFERENCE_PRECISION_HINT": "bf16" if dtype == "bfloat16" else "f32",
+             "KV_CACHE_PRECISION": "u8" if kv == "8bit" else ("bf16" if dtype == "bfloat16" else "f32")}
+    pipe = ov_genai.ContinuousBatchingPipeline(model_dir, sched, "CPU", props)
+
+    def config(n: int):
+        c = ov_genai.GenerationConfig()
+        c.max_new_tokens = c.min_new_tokens = n
+        c.ignore_eos = True
+        c.do_sample = False
+        return c
+
+    def tensor(prompt: list[int]):
+        return ov.Tensor(np.array([prompt], dtype=np.int64))
+
+    if warm:
+        pipe.add_request(10**6, tensor([101] * 16), config(4))
+        while pipe.has_non_finished_requests():
+            pipe.step()
+    meter = Meter(len(work))
+    handles = [pipe.add_request(i, tensor(p), config(o)) for i, (p, o) in enumerate(work)]
+    counts = [0] * len(work)
+    while pipe.has_non_finished_requests():
+        pipe.step()
+        for i, h in enumerate(handles):
+            if h.can_read():
+                n = sum(len(g.generated_ids) for g in h.read().values())
+                counts[i] += n
+                meter.emitted(i, n)
+        meter.end_step()
+    for i, h in enumerate(handles):  # whatever the last step left unread
+        if h.can_read():
+            counts[i] += sum(len(g.generated_ids) for g in h.read().values())
+    if counts != [o for _, o in work]:
+        print(f"warning: OpenVINO emitted {sum(counts)} tokens, asked {sum(o for _, o in work)}", file=sys.stderr)
+    return meter.result()
+
+
+def child(args: argparse.Namespace) -> None:
+    engine, dtype, kv, workload = args.one
+    work = requests(workload, args.seed, args.scale, args.vocab)
+    if engine == "kvforge":
+        res = run_kvforge(dtype, kv, work, warm=True, model=args.model)
+    else:
+        res = run_openvino(args.openvino_model, dtype, kv, work, warm=True)
+    print(json.dumps({"engine": engine, "dtype": dtype, "kv": kv, "workload": workload, **res}))
+
+
+def openvino_missing(python: str, model: str | None) -> str | None:
+    if not model:
+        return "no --openvino-model given"
+    if not os.path.isdir(model):
+        return f"{model} is not a folder"
+    probe = subprocess.run([python, "-c", "import openvino_genai"], capture_output=True, text=True)
+    if probe.returncode:
+        return f"{python} cannot import openvino_genai ({probe.stderr.strip().splitlines()[-1:]})"
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", nargs="+", default=["kvforge", "openvino"], choices=["kvforge", "openvino"])
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--kv", nargs="+", default=["model", "8bit"], choices=["model", "8bit"])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--openvino-python", default=sys.executable)
+    ap.add_argument("--openvino-model", default=None, help="folder exported by optimum-cli export openvino")
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (quick runs)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="kvforge's model (default: SmolLM2-135M-Instruct; smoke tests)")
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="prompt ids are drawn below this")
+    ap.add_argument("--save", default="benchmarks/results/peers.json")
+    ap.add_argument("--one", nargs=4, metavar=("ENGINE", "DTYPE", "KV", "WORKLOAD"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        child(args)
+        return
+    engines = list(args.engines)
+    if "openvino" in engines:
+        why = openvino_missing(args.openvino_python, args.openvino_model)
+        if why:
+            print(f"skipping OpenVINO GenAI: {why}", file=sys.stderr)
+            engines.remove("openvino")
+    rows = []
+    for workload in args.workloads:
+        for dtype in args.dtype:
+            for kv in args.kv:
+                for engine in engines:
+                    python = args.openvino_python if engine == "openvino" else sys.executable
+                    cmd = [python, os.path.abspath(__file__), "--one", engine, dtype, kv, workload, "--seed",
+                           str(args.seed), "--scale", str(args.scale), "--vocab", str(args.vocab)]
+                    if args.model:
+                        cmd += ["--model", args.model]
+                    if engine == "openvino":
+                        cmd += ["--openvino-model", args.openvino_model]
+                    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+                    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+                    if proc.returncode:
+                        print(f"{engine} {dtype} {kv} {workload}: failed (exit {proc.returncode})", file=sys.stderr)
+                        continue
+                    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                    print_row(rows[-1], header=len(rows) == 1)
+    print_ratios(rows)
+    if args.save and rows:
+        os.makedirs(os.path.dirname(args.save), exist_ok=True)
+        with open(args.save, "w") as f:
+            json.dump({"scale": args.scale, "seed": args.seed, "rows": rows}, f, indent=2)
+        plot(rows, args.save.rsplit(".", 1)[0] + ".png")
+
+
+def print_row(r: dict, header: bool) -> None:
+    if header:
+        print(f"{'workload':<8} {'dtype':<9} {'kv':<6} {'engine':<9} {'wall s':>8} {'out tok/s':>10} "
+              f"{'TTFT ms':>9} {'decode tok/s':>13}")
+    print(f"{r['workload']:<8} {r['dtype']:<9} {r['kv']:<6} {r['engine']:<9} {r['wall_s']:>8.2f} "
+          f"{r['out_tok_s']:>10.1f} {r['ttft_ms']:>9.1f} {r['decode_tok_s']:>13.1f}", flush=True)
+
+
+def print_ratios(rows: list[dict]) -> None:
+    by = {(r["workload"], r["dtype"], r["kv"], r["engine"]): r for r in rows}
+    for (w, d, kv, e), r in sorted(by.items()):
+        peer = by.get((w, d, kv, "openvino"))
+        if e == "kvforge" and peer:
+            print(f"{w} {d} kv={kv}: kvforge/OpenVINO out tok/s {r['out_tok_s'] / peer['out_tok_s']:.2f}x, "
+                  f"decode {r['decode_tok_s'] / max(peer['decode_tok_s'], 1e-9):.2f}x")
+        base = by.get((w, d, "model", e))
+        if kv == "8bit" and base:
+            print(f"{w} {d} {e}: 8-bit KV / model-dtype KV out tok/s {r['out_tok_s'] / base['out_tok_s']:.2f}x, "
+                  f"decode {r['decode_tok_s'] / max(base['decode_tok_s'], 1e-9):.2f}x")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    labels = [f"{r['workload']}\n{r['dtype'][:4]} kv={r['kv']}\n{r['engine']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
+    ax.bar(range(len(rows)), [r["out_tok_s"] for r in rows],
+           color=["tab:blue" if r["engine"] == "kvforge" else "tab:orange" for r in rows])
+    ax.set_xticks(range(len(rows)), labels, fontsize=6)
+    ax.set_ylabel("output tok/s")
+    ax.set_title("kvforge (blue) vs OpenVINO GenAI (orange), same token ids")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

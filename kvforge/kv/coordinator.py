@@ -1,0 +1,211 @@
+"""KVCacheCoordinator: the one KV cache manager, for plain and hybrid models alike. Pure Python.
+
+A model's layers fall into KV cache groups by attention window
+(`ledger.kv_cache_groups`): a plain model is one group, Gemma 2/3 or Qwen2 with
+`max_window_layers` a full-attention group and one group per window. Each group
+has its own pool and tables (`GroupManager`); a windowed group frees blocks that
+left its window while the request runs, a full group never does.
+
+What the coordinator adds is the one contract (`kv/interface.py`): every result
+is per group; an allocation takes slots in every group or changes nothing; a
+prefix hit is the longest one valid in every group; the request's block hashes
+are computed once, on the request, and read by every group.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvforge.kv.blocks import BlockPool, KVBlock
+from kvforge.kv.group_manager import GroupManager
+from kvforge.kv.hashing import BlockHash, extend_block_hashes
+from kvforge.kv.interface import BlockCopies, KVCacheBlocks, KVRequest
+from kvforge.kv.stats import PrefixCacheStats
+from kvforge.ledger import KVGroup
+
+
+class PoolsView:
+    """Every group's pool seen as one, for leak checks, gauges and messages.
+
+    Block counts add up; usage weighs each pool by its layers, since every layer's block costs
+    the same bytes: usage = used bytes / total bytes across groups.
+    """
+
+    def __init__(self, pools: Sequence[BlockPool], layers_per_group: Sequence[int]) -> None:
+        self.pools, self.weights = list(pools), list(layers_per_group)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(p.num_blocks for p in self.pools)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(p.num_free_blocks for p in self.pools)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(p.num_cached_blocks for p in self.pools)
+
+    @property
+    def num_evictions(self) -> int:
+        return sum(p.num_evictions for p in self.pools)
+
+    @property
+    def usage(self) -> float:
+        total = sum(p.num_blocks * w for p, w in zip(self.pools, self.weights))
+        used = sum((p.num_blocks - p.num_free_blocks) * w for p, w in zip(self.pools, self.weights))
+        return used / total
+
+
+class KVCacheCoordinator:
+    """Implements `KVCacheCoordinatorProtocol` over one `GroupManager` per KV cache group.
+
+    Group 0 anchors prefix hits: it needs every block of the hit (a full-attention group, or the
+    only group of an all-windowed model); any other (windowed) group needs only the blocks its window
+    still sees once the hit is computed, the earlier ones being null placeholders.
+    """
+
+    def __init__(self, groups: Sequence[KVGroup], block_size: int, enable_caching: bool = True) -> None:
+        if not groups:
+            raise ValueError("a KV cache coordinator needs at least one KV cache group")
+        if any(g.window is None for g in groups[1:]):
+            raise ValueError("only group 0 may be a full-attention group")
+        self.groups = list(groups)
+        self.block_size = block_size
+        self.managers = [GroupManager(BlockPool(g.num_blocks, enable_caching), block_size, g.window) for g in groups]
+        self.pool = PoolsView(self.pools, [len(g.layers) for g in groups])
+        self.stats = PrefixCacheStats()
+
+    # ---- shape and capacity ---------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.managers)
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        return [m.pool for m in self.managers]
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.managers[0].pool.enable_caching
+
+    @property
+    def num_cow_copies(self) -> int:
+        return sum(m.num_cow_copies for m in self.managers)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens one allocation can hold at once: the smallest group's pool decides."""
+        return min(m.capacity_tokens for m in self.managers)
+
+    def max_request_tokens(self, max_num_batched_tokens: int) -> int | None:
+        """Longest request a lone request can grow to; None when window freeing bounds every group."""
+        limits = [n for n in (m.max_request_tokens(max_num_batched_tokens) for m in self.managers) if n is not None]
+        return min(limits) if limits else None
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        return [m.block_ids(request_id) for m in self.managers]
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        return [m.num_held_blocks(request_id) for m in self.managers]
+
+    def tables(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks per group (null placeholders included), for inspection and tests."""
+        return KVCacheBlocks(tuple(list(m.tables.get(request_id, ())) for m in self.managers))
+
+    # ---- prefix cache ---------------------------------------------------------------------
+    def block_hashes(self, req: KVRequest) -> list[BlockHash]:
+        """The request's hash chain, extended in place to every full block; earlier hashes are kept."""
+        extra = (req.cache_salt,) if req.cache_salt else ()
+        return extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size, extra)
+
+    def get_computed_blocks(self, req: KVRequest) -> tuple[KVCacheBlocks, int]:
+        """Per-group hit blocks for the longest cached prefix valid in every group, and its length in tokens.
+
+        The last token is always recomputed (its logits are needed). Read-only: a request that then
+        fails to get blocks is looked up again next step, so the scheduler records the lookup
+        (`record_lookup`) only once the request is admitted.
+        """
+        if not self.enable_caching:
+            return KVCacheBlocks.empty(self.num_groups), 0
+        hashes = self.block_hashes(req)
+        anchor, *others = self.managers
+        head = anchor.cached_blocks(req, hashes, (req.num_tokens - 1) // self.block_size, stop_at_miss=True)
+        found = [m.cached_blocks(req, hashes, len(head)) for m in others]
+        runs = [_runs(f) for f in found]  # runs[g][j]: cached blocks in a row ending at block j
+        k = len(head)
+        while k > 0 and not all(run[k - 1] >= k - m.first_live_block(k) for m, run in zip(others, runs)):
+            k -= 1
+        hits: list[list[KVBlock]] = [[b for b in head[:k] if b is not None]]
+        for m, f in zip(others, found):
+            first = m.first_live_block(k)
+            hits.append([m.null_block] * first + [b for b in f[first:k] if b is not None])
+        return KVCacheBlocks(tuple(hits)), k * self.block_size
+
+    def record_lookup(self, req: KVRequest, num_cached: int) -> None:
+        """Count an admitted request's lookup; called once per admission, never for a failed attempt."""
+        if self.enable_caching:
+            self.stats.record(req.num_tokens, num_cached, recompute=req.num_preemptions > 0)
+
+    # ---- allocation -----------------------------------------------------------------------
+    def release_out_of_window(self, req: KVRequest) -> None:
+        """Free blocks no future query of `req` can see, in every windowed group.
+
+        The scheduler calls this for every running request before a step's allocations, so a request
+        the step's token budget leaves out holds no more than its window either.
+        """
+        for m in self.managers:
+            m.release_out_of_window(req)
+
+    def allocate_slots(
+        self, req: KVRequest, num_new_tokens: int, computed: KVCacheBlocks | None = None
+    ) -> BlockCopies | None:
+        """Room for `num_new_tokens` in every group, or None with no group changed (dead blocks aside).
+
+        Returns the block copies (src, dst) per group that copy-on-write requires before this step's writes.
+        """
+        hits = computed.blocks if computed is not None else tuple([] for _ in self.managers)
+        if len(hits) != self.num_groups:
+            raise ValueError(f"computed blocks have {len(hits)} groups, the cache has {self.num_groups}")
+        self.release_out_of_window(req)  # dead whatever happens next: no future query sees them
+        if not all(m.can_allocate(req, num_new_tokens, h) for m, h in zip(self.managers, hits)):
+            return None
+        hashes = self.block_hashes(req) if self.enable_caching else []
+        return [m.commit_slots(req, num_new_tokens, h, hashes) for m, h in zip(self.managers, hits)]
+
+    def drop_blocks(self, request_id: str, group: int, indices: Sequence[int]) -> int:
+        """Lossy eviction: free the blocks at `indices` of one group's table, null block in their place.
+
+        Table positions keep their meaning (index i holds tokens [i * block_size, (i + 1) * block_size));
+        attention must mask the dropped positions. Returns how many blocks went back to the pool.
+        """
+        return self.managers[group].drop_blocks(request_id, indices)
+
+    def fork(self, parent: KVRequest, child: KVRequest) -> None:
+        """`child` shares every block of `parent` in every group; its hash chain starts as a copy."""
+        child.block_hashes[:] = parent.block_hashes
+        for m in self.managers:
+            m.fork(parent, child)
+
+    def free(self, req: KVRequest) -> None:
+        """Release `req`'s blocks in every group (its hash chain stays on the request for readmission)."""
+        for m in self.managers:
+            m.free(req)
+
+    def reset_prefix_cache(self) -> bool:
+        """All pools or none: refused while any group holds a block."""
+        if self.pool.num_free_blocks != self.pool.num_blocks:
+            return False
+        return all([p.reset_prefix_cache() for p in self.pools])
+
+    def check_integrity(self) -> None:
+        for m in self.managers:
+            m.check_integrity()
+            assert m.tables.keys() == self.managers[0].tables.keys(), "a request holds tables in only some groups"
+
+
+def _runs(found: list[KVBlock | None]) -> list[int]:
+    out, run = [], 0
+    for block in found:
+        run = run + 1 if block is not None else 0
+        out.append(run)
+    return out

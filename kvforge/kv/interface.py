@@ -1,0 +1,147 @@
+"""The KV cache contract: what the scheduler, the model runner and the next KV features rely on.
+
+Pure Python and imports nothing above `kv/`: the request is seen through the
+`KVRequest` Protocol (the engine's `Request` satisfies it structurally), so the
+KV layer never imports the engine.
+
+Shapes, always per KV cache group (a plain model has exactly one group):
+
+- `KVCacheBlocks`: one list of blocks per group (prefix hits, a request's tables).
+- `BlockCopies`: one list of (src, dst) block ids per group (copy-on-write before a step's writes).
+- block ids: one list of ints per group (what the runner turns into block tables).
+
+`KVCacheCoordinatorProtocol` is the public contract. Two features build on it
+(docs/DESIGN.md, "KV coordinator contract"):
+
+- Lossy eviction (dropping KV from the middle of a sequence) uses `drop_blocks`:
+  it replaces chosen blocks of one group's table by the group's null block and
+  frees them to the pool. Per-layer tables are groups of one layer each.
+- KV tiers use `BlockPool.add_evict_listener` (a hook when a cached block leaves
+  the device pool) and a `SecondaryKVCache`: a prefix lookup continues into it
+  after the device misses, and the allocation that admits the request yields
+  `KVLoad`s (second-level key -> freshly allocated device block) that travel to
+  the runner in `SchedulerOutput.block_loads`, like copies.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvforge.kv.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from kvforge.kv.blocks import BlockPool, KVBlock
+    from kvforge.kv.stats import PrefixCacheStats
+
+BlockCopies = list[list[tuple[int, int]]]  # per group: (src block id, dst block id)
+
+
+class KVRequest(Protocol):
+    """What the KV layer reads (and the one field it writes) of a request.
+
+    `block_hashes` belongs to the request: the coordinator appends a block's hash
+    once it fills and never recomputes it (a preempted request keeps its chain);
+    every group reads the same list.
+    """
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def block_hashes(self) -> list[BlockHash]: ...
+
+
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """Blocks per KV cache group: `blocks[g]` is group g's list (prefix hits, or a request's table)."""
+
+    blocks: tuple[list[KVBlock], ...]
+
+    @classmethod
+    def empty(cls, num_groups: int) -> KVCacheBlocks:
+        return cls(tuple([] for _ in range(num_groups)))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.blocks)
+
+    def get_block_ids(self) -> list[list[int]]:
+        return [[b.block_id for b in group] for group in self.blocks]
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Tiers: copy the block stored under `key` in a second-level cache into device block `dst` of `group`."""
+
+    group: int
+    key: BlockHash
+    dst: int
+
+
+class SecondaryKVCache(Protocol):
+    """A second-level KV store (host memory, disk) keyed by block hash; the tiers feature implements it."""
+
+    def contains(self, key: BlockHash) -> bool: ...
+    def store(self, group: int, key: BlockHash, block_id: int) -> None:
+        """Copy device block `block_id` of `group` out under `key` (called from the pool's evict hook)."""
+        ...
+
+
+class EvictListener(Protocol):
+    def __call__(self, block_hash: BlockHash, block_id: int) -> None: ...
+
+
+class KVCacheCoordinatorProtocol(Protocol):
+    """One KV cache coordinator for every model: a plain model is one group, a hybrid one several.
+
+    Every result is per group. A failed `allocate_slots` changes nothing (blocks that fell out of a
+    window aside: they were dead anyway). The runner never calls the coordinator: block ids and
+    copies reach it through `SchedulerOutput`.
+    """
+
+    block_size: int
+
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def pools(self) -> Sequence[BlockPool]: ...
+    stats: PrefixCacheStats
+    @property
+    def enable_caching(self) -> bool: ...
+    @property
+    def capacity_tokens(self) -> int: ...
+    def max_request_tokens(self, max_num_batched_tokens: int) -> int | None: ...
+
+    def get_computed_blocks(self, req: KVRequest) -> tuple[KVCacheBlocks, int]:
+        """Per-group hit blocks of the longest cached prefix valid in every group, and its length in tokens."""
+        ...
+
+    def record_lookup(self, req: KVRequest, num_cached: int) -> None: ...
+    def release_out_of_window(self, req: KVRequest) -> None: ...
+
+    def allocate_slots(
+        self, req: KVRequest, num_new_tokens: int, computed: KVCacheBlocks | None = None
+    ) -> BlockCopies | None:
+        """Room for `num_new_tokens` more tokens in every group (copy-on-write copies per group), or None."""
+        ...
+
+    def block_ids(self, request_id: str) -> list[list[int]]: ...
+    def num_held_blocks(self, request_id: str) -> list[int]: ...
+    def drop_blocks(self, request_id: str, group: int, indices: Sequence[int]) -> int:
+        """Lossy eviction: free the given blocks of one group's table (null block in their place)."""
+        ...
+
+    def fork(self, parent: KVRequest, child: KVRequest) -> None: ...
+    def free(self, req: KVRequest) -> None: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def check_integrity(self) -> None: ...
