@@ -76,18 +76,17 @@ class LLMEngine:
 
                 del checkpoint
                 self.model = None
-                self.executor = TensorParallelExecutor(config, self.model_config)
+                self.executor = TensorParallelExecutor(config, self.model_config)  # ranks build, shard and pack
                 p.next()
                 p.next()
-                self._init_cache_and_scheduler()
-                return
-            model = build_model(self.model_config)
-            model.load_weights(checkpoint.weights)
-            del checkpoint
-            self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
-            p.next()
-            pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
-            p.next()
+            else:
+                model = build_model(self.model_config)
+                model.load_weights(checkpoint.weights)
+                del checkpoint
+                self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
+                p.next()
+                pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+                p.next()
         self._init_cache_and_scheduler()
 
     def _init_cache_and_scheduler(self) -> None:
