@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from kvforge import hf_config
 from kvforge.flags import option
 from kvforge.ledger import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, KVCacheFormat, KVShape, parse_bytes,
+    DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, KV_DTYPE_ALIASES, KV_FORMAT_DTYPES,
+    KV_SCALE_GRANULARITIES, KVCacheFormat, KVFormatSpec, KVShape, canonical_kv_dtype, parse_bytes,
 )
 
 if TYPE_CHECKING:
@@ -21,9 +22,10 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # model (compute) dtypes
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # llama-like layers with RMSNorm on q and k per head
 ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")  # kvforge.attention implements them
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
-KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # "fp8" is an alias of fp8_e4m3
-KV_CACHE_SCALES = ("token", "head", "channel", "tensor")  # channel: K only, V falls back to token
+# what --kv-cache-dtype/--k-cache-dtype/--v-cache-dtype accept: the ledger's canonical names and aliases
+KV_CACHE_DTYPES = KV_FORMAT_DTYPES + tuple(KV_DTYPE_ALIASES)
+KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # canonical names ("fp8" is an alias of fp8_e4m3)
+KV_CACHE_SCALES = KV_SCALE_GRANULARITIES
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -148,10 +150,10 @@ class CacheConfig:
         choices=KV_CACHE_SCALES)
 
     def __post_init__(self) -> None:
-        for name in ("k_cache_dtype", "v_cache_dtype"):
+        for name in ("kv_cache_dtype", "k_cache_dtype", "v_cache_dtype"):
             value = getattr(self, name)
-            if value is not None and value not in KV_CACHE_DTYPES:
-                raise ValueError(f"{name} must be one of {KV_CACHE_DTYPES}, got {value!r}")
+            if value is not None:
+                canonical_kv_dtype(value, name)  # the ledger's one KV format grammar and error
         if self.kv_cache_scale not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
@@ -163,19 +165,12 @@ class CacheConfig:
             memory = DEFAULT_KV_CACHE_MEMORY
         # parsed here and only here: from now on an int of bytes (or None when num_kv_blocks sizes the pool)
         object.__setattr__(self, "kv_cache_memory", None if memory is None else parse_bytes(memory, "kv_cache_memory"))
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
     def cache_format(self, model_dtype: str) -> KVCacheFormat:
         """K and V storage dtypes ("auto" = the model's) and, when either is quantized, the scale granularity."""
 
-        def resolve(name: str | None) -> str:
-            name = name or self.kv_cache_dtype
-            return model_dtype if name == "auto" else ("fp8_e4m3" if name == "fp8" else name)
-
-        k, v = resolve(self.k_cache_dtype), resolve(self.v_cache_dtype)
-        quantized = k in KV_QUANTIZED_DTYPES or v in KV_QUANTIZED_DTYPES
-        return KVCacheFormat(k, v, self.kv_cache_scale if quantized else None)
+        k, v = (canonical_kv_dtype(name or self.kv_cache_dtype) for name in (self.k_cache_dtype, self.v_cache_dtype))
+        return KVFormatSpec(k, v, self.kv_cache_scale).resolve(model_dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,15 +14,18 @@ import re
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
-# Bytes per stored element. int4 packs two values per byte.
-ELEMENT_BYTES: dict[str, float] = {
-    "float32": 4, "fp32": 4,
-    "float16": 2, "fp16": 2, "half": 2,
-    "bfloat16": 2, "bf16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
-    "int8": 1,
-    "int4": 0.5,
+# KV format names: the one grammar every command reads (engine flags, `kvforge plan`, `kvforge eval`).
+# Canonical spellings first; the alias table is the only place a second spelling is accepted.
+KV_FORMAT_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp8": "fp8_e4m3",
 }
+KV_SCALE_GRANULARITIES = ("token", "head", "channel", "tensor")  # channel: K only, V falls back to token
+# Bytes per stored element, under canonical names and their aliases. int4 packs two values per byte.
+ELEMENT_BYTES: dict[str, float] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5,
+}
+ELEMENT_BYTES.update({alias: ELEMENT_BYTES[name] for alias, name in KV_DTYPE_ALIASES.items()})
 SCALE_BYTES = 4  # scales are stored as float32
 # The engine's defaults, written once here (the bottom of the import graph) and used by
 # kvforge.config's CacheConfig/SchedulerConfig (hence the CLI flags), the planner and the ledger's own
@@ -378,6 +381,49 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class KVFormatSpec:
+    """A parsed `KDTYPE[/VDTYPE][@SCALES]` in canonical names; "auto" stays until `resolve` knows the model dtype."""
+
+    k_dtype: str
+    v_dtype: str
+    scales: str | None = None  # None when the spec had no @SCALES suffix
+
+    def resolve(self, model_dtype: str, default_scales: str | None = None) -> KVCacheFormat:
+        """The storage format for a model served in `model_dtype`; scales only when K or V is quantized."""
+        k, v = (model_dtype if d == "auto" else d for d in (self.k_dtype, self.v_dtype))
+        quantized = k in QUANTIZED_DTYPES or v in QUANTIZED_DTYPES
+        return KVCacheFormat(k, v, (self.scales or default_scales or "token") if quantized else None)
+
+
+def kv_format_error(field: str, value: object, problem: str) -> ValueError:
+    """The one error for a bad KV format, naming the field or flag it came from."""
+    return ValueError(f"{field} {value!r}: {problem}")
+
+
+def canonical_kv_dtype(name: str, field: str = "kv_cache_dtype") -> str:
+    """'fp16' -> 'float16', 'fp8' -> 'fp8_e4m3', 'auto' stays; case and spaces do not matter."""
+    key = str(name).strip().lower()
+    key = KV_DTYPE_ALIASES.get(key, key)
+    if key not in KV_FORMAT_DTYPES:
+        aliases = ", ".join(f"{a}={c}" for a, c in KV_DTYPE_ALIASES.items())
+        raise kv_format_error(field, name, f"dtype {str(name).strip()!r} is not supported; choose one of "
+                                           f"{', '.join(KV_FORMAT_DTYPES)} (aliases {aliases})")
+    return key
+
+
+def parse_kv_format(spec: str, field: str = "kv_cache_dtype") -> KVFormatSpec:
+    """Parse `fp8`, `fp8/fp16` (K fp8, V fp16), `int4@channel` or `auto`; ValueError names `field`."""
+    body, at, scales = str(spec).strip().lower().partition("@")
+    if at and scales not in KV_SCALE_GRANULARITIES:
+        raise kv_format_error(field, spec, f"scale must be one of {', '.join(KV_SCALE_GRANULARITIES)}")
+    names = body.split("/")
+    if len(names) > 2 or not all(n.strip() for n in names):
+        raise kv_format_error(field, spec, "expected KDTYPE[/VDTYPE][@SCALES], e.g. fp8, fp8/fp16 or int4@channel")
+    k, v = (canonical_kv_dtype(n, field) for n in (names * 2)[:2])
+    return KVFormatSpec(k, v, scales or None)
 
 
 # ---- tensor parallelism --------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from kvforge.planner.prefix import load_prompts, prefix_cache_lint
 from kvforge.planner.presets import DEFAULT_MODEL, PRESETS, load_model
 from kvforge.planner.report import render_json, render_table
 from kvforge.planner.specs import (
-    GRANULARITIES, format_label, is_format_spec, parse_bandwidth, parse_kv_format, positive_int, weights_dtype,
+    GRANULARITIES, format_label, is_format_spec, parse_bandwidth, plan_kv_format, positive_int, weights_dtype,
 )
 
 
@@ -91,7 +91,7 @@ def build_columns(args: argparse.Namespace, opts: PlanOptions) -> list[Column]:
         label, cfg = load_model(spec)
         wdtype = weights_dtype(cfg, args.dtype)
         for fspec in formats:
-            fmt = parse_kv_format(fspec, wdtype, args.kv_scales)
+            fmt = plan_kv_format(fspec, wdtype, args.kv_scales)
             name = f"{label} {format_label(fmt)}" if len(formats) > 1 else label
             cols.append(build_column(name, label, cfg, fmt, wdtype, opts))
     return cols

@@ -33,6 +33,7 @@ from kvforge.ledger import (
     kv_bytes_per_token,
     max_concurrency,
     num_blocks_for_memory,
+    parse_kv_format,
 )
 
 DEFAULT_VARIANTS = (
@@ -52,15 +53,8 @@ class Variant:
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
-        from kvforge.config import KV_CACHE_DTYPES, KV_CACHE_SCALES
-
-        body, _, scale = spec.strip().partition("@")
-        names = body.split("/")
-        if len(names) > 2 or not all(n in KV_CACHE_DTYPES for n in names):
-            raise ValueError(f"--formats item {spec!r}: expected KDTYPE[/VDTYPE][@SCALE] with dtypes from {KV_CACHE_DTYPES}")
-        if scale and scale not in KV_CACHE_SCALES:
-            raise ValueError(f"--formats item {spec!r}: scale must be one of {KV_CACHE_SCALES}")
-        return cls(spec.strip(), names[0], names[-1], scale or "token")
+        fmt = parse_kv_format(spec, "--formats item")  # the ledger's one grammar: fp8 is fp8_e4m3, fp16 float16
+        return cls(spec.strip(), fmt.k_dtype, fmt.v_dtype, fmt.scales or "token")
 
     def engine_changes(self) -> dict[str, str]:
         return {"kv_cache_dtype": "auto", "k_cache_dtype": self.k_cache_dtype,

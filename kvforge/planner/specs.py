@@ -9,19 +9,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvforge.ledger import ELEMENT_BYTES, KVCacheFormat, parse_bytes
+from kvforge.ledger import (
+    ELEMENT_BYTES, KV_SCALE_GRANULARITIES, QUANTIZED_DTYPES, KVCacheFormat, canonical_kv_dtype, parse_bytes,
+    parse_kv_format,
+)
 
-GRANULARITIES = ("tensor", "token", "head", "channel")
-_CANONICAL = {"fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16", "fp8_e4m3": "fp8"}
-SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
-def canonical_dtype(name: str, what: str = "dtype") -> str:
-    """'fp16' -> 'float16' and so on; ValueError lists the accepted names."""
-    key = name.strip().lower()
-    if key not in ELEMENT_BYTES:
-        raise ValueError(f"{what} {name!r} is not supported; choose one of auto, {', '.join(sorted(ELEMENT_BYTES))}")
-    return _CANONICAL.get(key, key)
+GRANULARITIES = KV_SCALE_GRANULARITIES  # --kv-scales choices
+SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "fp8_e4m3": "fp8"}  # table labels
 
 
 def weights_dtype(cfg: dict[str, Any], override: str | None) -> str:
@@ -31,9 +25,9 @@ def weights_dtype(cfg: dict[str, Any], override: str | None) -> str:
     planning for float32 would double the weights and mislead.
     """
     if override and override != "auto":
-        return canonical_dtype(override, "--dtype")
+        return canonical_kv_dtype(override, "--dtype")
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    name = canonical_dtype(name, "config torch_dtype") if name.lower() in ELEMENT_BYTES else "bfloat16"
+    name = canonical_kv_dtype(name, "config torch_dtype") if name.lower() in ELEMENT_BYTES else "bfloat16"
     return "bfloat16" if name == "float32" else name
 
 
@@ -43,27 +37,16 @@ def is_format_spec(text: str) -> bool:
     return head == "auto" or head in ELEMENT_BYTES
 
 
-def parse_kv_format(spec: str, weights: str, default_granularity: str | None = None) -> KVCacheFormat:
-    """Turn `fp8`, `fp8/fp16`, `int4@channel` or `auto` into a KVCacheFormat."""
-    text = spec.strip().lower()
-    body, _, scales = text.partition("@")
-    if scales and scales not in GRANULARITIES:
-        raise ValueError(f"--kv-cache-dtype {spec!r}: scales must be one of {', '.join(GRANULARITIES)}")
-    names = body.split("/")
-    if len(names) > 2 or not all(names):
-        raise ValueError(f"--kv-cache-dtype {spec!r}: expected DTYPE or KDTYPE/VDTYPE, e.g. fp8 or fp8/fp16")
-    k, v = (weights if n == "auto" else canonical_dtype(n, "--kv-cache-dtype") for n in (names * 2)[:2])
-    granularity = scales or default_granularity
-    if granularity is None and ({k, v} & {"fp8", "fp8_e5m2", "int8", "int4"}):
-        granularity = "token"
-    return KVCacheFormat(k, v, granularity)
+def plan_kv_format(spec: str, weights: str, default_granularity: str | None = None) -> KVCacheFormat:
+    """`fp8`, `fp8/fp16`, `int4@channel` or `auto` (= `weights`) as a KVCacheFormat, via the ledger's one grammar."""
+    return parse_kv_format(spec, "--kv-cache-dtype").resolve(weights, default_granularity)
 
 
 def format_label(fmt: KVCacheFormat) -> str:
     """Short table name: 'fp16', 'fp8/fp16' (K/V), with '@head' when scales are not per token."""
     k, v = SHORT.get(fmt.k_dtype, fmt.k_dtype), SHORT.get(fmt.v_dtype, fmt.v_dtype)
     name = k if k == v else f"{k}/{v}"
-    quantized = {fmt.k_dtype, fmt.v_dtype} - set(SHORT)
+    quantized = {fmt.k_dtype, fmt.v_dtype} & QUANTIZED_DTYPES
     if quantized and fmt.scale_granularity not in (None, "token"):
         name += f"@{fmt.scale_granularity}"
     return name
