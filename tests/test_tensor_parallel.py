@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvforge import LLM, SamplingParams
-from kvforge.distributed.executor import RankFailure
+from kvforge.engine.parallel.executor import RankFailure
 from tiny_models import build_tiny_model
 
 PROMPTS = [[(7 * i + 3 * j) % 250 for j in range(6 + 5 * i)] for i in range(4)]

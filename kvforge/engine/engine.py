@@ -72,7 +72,7 @@ class LLMEngine:
             opts = config.model_config
             self.executor = None
             if config.parallel_config.tensor_parallel_size > 1:  # the ranks load their own shards (kvforge/distributed)
-                from kvforge.distributed.executor import TensorParallelExecutor
+                from kvforge.engine.parallel.executor import TensorParallelExecutor
 
                 del checkpoint
                 self.model = None
@@ -119,7 +119,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         self._ids = itertools.count()
         if self.executor is not None:
-            from kvforge.distributed.setup import init_tensor_parallel_caches
+            from kvforge.engine.parallel.setup import init_tensor_parallel_caches
 
             self.runner, self.report = init_tensor_parallel_caches(self, groups, layer_groups, max_model_len)
         else:

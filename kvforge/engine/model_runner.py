@@ -152,7 +152,7 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """Forward pass, then float32 logits (on CPU) of the flattened batch's `rows` (None: every row; []: none).
 
-        The seam a multi-device executor overrides (kvforge/distributed/executor.py runs it on its ranks)."""
+        The seam a multi-device executor overrides (kvforge/engine/parallel/executor.py runs it on its ranks)."""
         hidden = self.model(input_ids, positions, self.caches, meta)
         if rows is not None:
             if not rows:

@@ -119,7 +119,7 @@ def report_for(
     allocated: int, config: EngineConfig, device: str, weights: int, linear: str,
 ) -> StartupReport:
     """The report from figures already known: `shape` is what one device caches, `allocated` its KV bytes
-    (tensor parallelism: kvforge/distributed/setup.py passes one rank's)."""
+    (tensor parallelism: kvforge/engine/parallel/setup.py passes one rank's)."""
     per_block = kv_bytes_per_block(shape, block_size, fmt)
     kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
     if fmt.scale_granularity:  # quantized: say how the scales are laid out ("channel" is K only)

@@ -45,7 +45,7 @@ def _to_device(meta: Any, device: torch.device) -> Any:
 class _Rank:
     def __init__(self, rank: int, world: int, config: Any, device: torch.device) -> None:
         from kvforge.config import ModelConfig, torch_dtype
-        from kvforge.distributed.parallel_layers import shard_model
+        from kvforge.engine.parallel.parallel_layers import shard_model
         from kvforge.models.linear import pack_linear_weights
         from kvforge.models.loader import load_checkpoint
         from kvforge.models.registry import build_model
@@ -72,7 +72,7 @@ class _Rank:
 
     def make_caches(self, blocks_per_layer: list[int], layer_groups: list[int], fmt: Any, block_size: int) -> int:
         from kvforge.kv.cache_factory import make_layer_caches
-        from kvforge.distributed.parallel_layers import kv_heads_of_rank
+        from kvforge.engine.parallel.parallel_layers import kv_heads_of_rank
 
         cfg = self.cfg
         if not cfg.mla_latent_dim:

@@ -57,7 +57,7 @@ class TensorParallelExecutor:
         """`config`: the EngineConfig (dtype already resolved), sent to every rank; `cfg`: the ModelConfig."""
         import torch.multiprocessing as mp
 
-        from kvforge.distributed.parallel_layers import check_tensor_parallel
+        from kvforge.engine.parallel.parallel_layers import check_tensor_parallel
 
         parallel = config.parallel_config
         check_tensor_parallel(cfg, parallel.tensor_parallel_size)  # a clear ValueError before any process starts
@@ -140,7 +140,7 @@ class TensorParallelExecutor:
 
 
 def _worker_entry(*args: Any) -> None:
-    from kvforge.distributed.worker import worker_main
+    from kvforge.engine.parallel.worker import worker_main
 
     worker_main(*args)
 

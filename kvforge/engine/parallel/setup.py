@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvforge.distributed.executor import TensorParallelRunner
+from kvforge.engine.parallel.executor import TensorParallelRunner
 from kvforge.engine.startup_report import StartupReport, report_for
 from kvforge.ledger import KVGroup, KVShape, format_bytes, kv_bytes_for_groups, tensor_parallel_kv
 
