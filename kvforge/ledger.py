@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 # KV format names: the one grammar every command reads (engine flags, `kvforge plan`, `kvforge eval`).
@@ -431,3 +431,42 @@ def parse_kv_format(spec: str, field: str = "kv_cache_dtype") -> KVFormatSpec:
         raise kv_format_error(field, spec, "expected KDTYPE[/VDTYPE][@SCALES], e.g. fp8, fp8/fp16 or int4@channel")
     k, v = (canonical_kv_dtype(n, field) for n in (names * 2)[:2])
     return KVFormatSpec(k, v, scales or None)
+
+
+# ---- tensor parallelism --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorParallelKV:
+    """What each of `tensor_parallel_size` devices caches.
+
+    Heads are split across devices, so each device holds num_kv_heads / N KV heads. With fewer KV
+    heads than devices (GQA/MQA: the classic pitfall) every device still needs the KV head its
+    query heads read, so each KV head is stored `replication` times: MQA on 8 devices keeps 8
+    copies of its one head and the per-device KV bytes do not shrink at all. MLA caches one latent
+    shared by every head, so it is replicated on every device by nature.
+    """
+
+    tensor_parallel_size: int
+    per_device: KVShape  # the shape one device's cache holds (its own KV heads)
+    replication: int  # copies of each cached KV head (or latent) across the devices
+
+    @property
+    def sharded(self) -> bool:
+        return self.replication < self.tensor_parallel_size
+
+
+def tensor_parallel_kv(shape: KVShape, tensor_parallel_size: int) -> TensorParallelKV:
+    """Per-device KV shape and replication factor; ValueError when the heads cannot be split."""
+    n = tensor_parallel_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+    if shape.is_mla or n == 1:
+        return TensorParallelKV(n, shape, n)
+    kv = shape.num_kv_heads
+    if kv >= n:
+        if kv % n:
+            raise ValueError(f"tensor_parallel_size={n} must divide num_key_value_heads={kv}")
+        return TensorParallelKV(n, replace(shape, num_kv_heads=kv // n), 1)
+    if n % kv:
+        raise ValueError(f"num_key_value_heads={kv} must divide tensor_parallel_size={n} to be replicated")
+    return TensorParallelKV(n, replace(shape, num_kv_heads=1), n // kv)

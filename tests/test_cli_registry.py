@@ -208,4 +208,7 @@ def test_engine_config_routes_flat_options_and_rejects_unknown_ones():
     with pytest.raises(TypeError, match="unknown engine option 'blok_size'"):
         EngineArgs(blok_size=4)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineArgs(tensor_parallel_size=2)
+        EngineArgs(tensor_parallel_size=0)
+    assert EngineArgs(tensor_parallel_size=2).parallel_config.tensor_parallel_size == 2  # h19: TP is implemented
+    with pytest.raises(ValueError, match="kv_cache_scale='tensor'"):  # a check across sections
+        EngineArgs(tensor_parallel_size=2, kv_cache_scale="tensor")

@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"engine"},
     {"evaluation", "server", "learn"},  # learn: `kvforge learn` demos over the engine
+    {"distributed"},  # replicas: the KV-affinity router and the Ray Serve deployment (serves with server/)
     {"commands"},  # one module per `kvforge` subcommand, and the registry
     {"cli", "__init__", "__main__"},
 ]

@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", default=None,
                    help="memory bandwidth for the decode roofline: a rate (3.35TB/s) or h100, h200, a100, l4, "
                         "cpu (measured by a short copy probe)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="devices the model is sharded over: KV, weights and capacity per device, KV replication")
     p.add_argument("--plot", default=None, metavar="PNG", help="draw KV memory and concurrency vs context length")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -79,7 +81,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         seq_len=args.seq_len, batch=args.batch, block_size=args.block_size, gpu_memory=gpu,
         memory_utilization=args.memory_utilization, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, avg_seq_len=args.avg_seq_len,
-        attention=args.attention, kv_budget=args.kv_budget,
+        attention=args.attention, kv_budget=args.kv_budget, tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

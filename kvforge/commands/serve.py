@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from kvforge.engine.args import add_engine_cli_args, engine_args_from_cli
+from kvforge.engine.args import EngineConfig, add_engine_cli_args, engine_args_from_cli
 from kvforge.flags import add_dataclass_flags, flag_errors, flags_of, values_for
 from kvforge.server.config import ServerConfig
 
@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     server = server_config_from_cli(args)
     engine_config = engine_args_from_cli(args)  # validates the engine flags before the slow model load
+    if server.replicas is not None:
+        return _run_replicas(server, engine_config)
     logging.basicConfig(level=server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = server.served_model_name or served_model_name(engine_config.model_config.model)
     limits = ServerLimits(server.header_timeout, server.keep_alive_timeout, server.max_connections,
@@ -64,3 +66,18 @@ def run(args: argparse.Namespace) -> int:
               "supervisor can restart the server (details above)", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _run_replicas(server: ServerConfig, engine_config: EngineConfig) -> int:
+    """`--replicas N`: the same OpenAI API on Ray Serve (kvforge/distributed/ray_serve.py)."""
+    from kvforge.server.auth import resolve_api_key
+
+    if resolve_api_key(server.api_key):
+        raise ValueError("--api-key is not supported with --replicas yet; put the Ray Serve proxy behind your gateway")
+    try:
+        from kvforge.distributed.ray_serve import run_replicas
+    except ImportError as exc:
+        raise ValueError(f"--replicas needs Ray Serve: pip install 'kvforge[ray]' ({exc})") from None
+    engine = {k: v for k, v in engine_config.to_dict().items() if k != "log_ledger"}
+    name = server.served_model_name or served_model_name(engine_config.model_config.model)
+    return run_replicas(server, engine, name)

@@ -59,14 +59,21 @@ class ModelOptions:
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """How the model is split across devices. One device today; tensor parallelism will extend this."""
+    """How the model is split across devices: tensor parallelism over ranks the engine starts (kvforge/distributed)."""
 
-    tensor_parallel_size: int = option(1, "devices the model is split over (only 1 is implemented)", cli=False)
+    tensor_parallel_size: int = option(
+        1, "shard the model over N ranks started by the engine (gloo on CPU, NCCL on CUDA; loopback unless "
+        "MASTER_ADDR is set)")
+    distributed_timeout: float = option(
+        300.0, "seconds a tensor-parallel rank may take to answer before the engine reports it hung")
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (tensor parallelism is not implemented), "
-                             f"got {self.tensor_parallel_size!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        t = self.distributed_timeout
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise ValueError(f"distributed_timeout must be a positive number of seconds, got {t!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +145,12 @@ class EngineConfig:
         if self.tier_config.enabled and self.eviction_config.kv_eviction != "none":
             raise ValueError("kv_eviction cannot be combined with kv_offload_memory / kv_disk_cache yet: an evicting "
                              "sequence's later blocks do not follow its full prefix, so tiers could not key them")
+        if self.parallel_config.tensor_parallel_size > 1:
+            if self.cache_config.kv_cache_scale == "tensor":
+                raise ValueError("kv_cache_scale='tensor' is calibrated in one process; it is not supported with "
+                                 "tensor_parallel_size > 1 (use token, head or channel)")
+            if self.tier_config.enabled or self.eviction_config.kv_eviction != "none":
+                raise ValueError("tensor_parallel_size > 1 cannot be combined with KV tiers or kv_eviction yet")
 
     @classmethod
     def create(cls, **options: Any) -> "EngineConfig":

@@ -29,10 +29,14 @@ from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.cache_factory import make_layer_caches
 from kvforge.kv.contiguous import make_coordinator
 from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
-from kvforge.ledger import num_blocks_for_memory, split_kv_blocks
+from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
 from kvforge.progress import StageProgress
+
+
+class EngineFatal(RuntimeError):
+    """The engine itself cannot continue (e.g. a tensor-parallel rank died): `step` raises it unwrapped."""
 
 
 class StepFailed(RuntimeError):
@@ -70,16 +74,27 @@ class LLMEngine:
             dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
             opts = config.model_config
-            model = build_model(self.model_config)
-            model.load_weights(checkpoint.weights)
-            del checkpoint
-            self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
-            p.next()
-            from kvforge.kv.tiers.setup import model_fingerprint
+            self.executor = None
+            if config.parallel_config.tensor_parallel_size > 1:  # the ranks load their own shards (kvforge/distributed)
+                from kvforge.engine.parallel.executor import TensorParallelExecutor
 
-            self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
-            pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
-            p.next()
+                del checkpoint
+                self.model = None
+                self.model_fingerprint = None  # KV tiers are refused with tensor parallelism (EngineConfig)
+                self.executor = TensorParallelExecutor(config, self.model_config)  # ranks build, shard and pack
+                p.next()
+                p.next()
+            else:
+                model = build_model(self.model_config)
+                model.load_weights(checkpoint.weights)
+                del checkpoint
+                self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
+                p.next()
+                from kvforge.kv.tiers.setup import model_fingerprint
+
+                self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
+                pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+                p.next()
         self._init_cache_and_scheduler()
 
     def _init_cache_and_scheduler(self) -> None:
@@ -87,6 +102,8 @@ class LLMEngine:
         opts, cache_cfg, sched = config.model_config, config.cache_config, config.scheduler_config
         self.cache_format = cache_cfg.cache_format(opts.dtype)
         shape = cfg.kv_shape()
+        if self.executor is not None:  # one device's share: its own KV heads (replicated when too few)
+            shape = tensor_parallel_kv(shape, config.parallel_config.tensor_parallel_size).per_device
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
             cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
         )
@@ -108,23 +125,28 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
         layer_groups = [group_of[i] for i in range(cfg.num_layers)]
-        caches = make_layer_caches(
-            cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
-            cache_cfg.block_size, self.device, torch_dtype(opts.dtype),
-        )
-        self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
-                                  opts.attention_backend)
-        self.eviction: EvictionTracker | None = None
-        if config.eviction_config.enabled:
-            check_eviction_supported(cfg, len(groups))
-            self.eviction = self.runner.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.outputs = OutputProcessor(self.tokenizer)
         self.samples: dict[str, list[Request]] = {}  # caller's request id -> its live samples (n > 1: forks)
         self.counters = EngineCounters()
         self._ids = itertools.count()
-        self.report: StartupReport = build_startup_report(
-            self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
-        )
+        if self.executor is not None:
+            from kvforge.engine.parallel.setup import init_tensor_parallel_caches
+
+            self.runner, self.report = init_tensor_parallel_caches(self, groups, layer_groups, max_model_len)
+        else:
+            caches = make_layer_caches(
+                cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
+                cache_cfg.block_size, self.device, torch_dtype(opts.dtype),
+            )
+            self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
+                                      opts.attention_backend)
+            self.report: StartupReport = build_startup_report(
+                self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
+            )
+        self.eviction: EvictionTracker | None = None
+        if config.eviction_config.enabled:  # refused with tensor parallelism (EngineConfig)
+            check_eviction_supported(cfg, len(groups))
+            self.eviction = self.runner.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.report.dtype_reason = self.dtype_reason
         if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
@@ -255,6 +277,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         try:
             return self._run_step(sched_out)
+        except EngineFatal:
+            raise
         except Exception as exc:
             ids = list(dict.fromkeys(c.request.group_id for c in sched_out.chunks))
             raise StepFailed(ids) from exc
@@ -324,6 +348,11 @@ class LLMEngine:
                 f"cannot reset the prefix cache while {self.pool.num_blocks - self.pool.num_free_blocks} "
                 "blocks are in use; wait for running requests to finish or abort them"
             )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (also done when the engine is garbage collected)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

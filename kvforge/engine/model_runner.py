@@ -121,11 +121,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         self._sync_tiers(out.block_loads)
-        if out.has_copies:  # each group's copies go to that group's layers only
-            for layer, cache in enumerate(self.caches):
-                pairs = out.block_copies[self.layer_groups[layer]]
-                if pairs:
-                    cache.copy_blocks(pairs)
+        if out.has_copies:
+            self._copy_blocks(out.block_copies)
         if out.is_empty:
             return {}
         chunks = out.chunks
@@ -137,9 +134,6 @@ class ModelRunner:
             mass = self.eviction.mass_request(chunks, decodes, prefills)
             assert isinstance(meta, AttentionMetadata), "KV eviction runs with one KV cache group"
             meta.attention_mass = mass
-        hidden = self.model(input_ids, positions, self.caches, meta)
-        if mass is not None:
-            self.eviction.collect(mass, chunks, decodes, prefills)
         # row of each chunk's last token in the flattened batch
         rows, sampling = [], []
         row = 0
@@ -150,9 +144,11 @@ class ModelRunner:
                 for r in (c.request, *c.forks):
                     rows.append(row - 1)
                     sampling.append(r)
-        if not sampling:
+        logits = self._forward_logits(input_ids, positions, meta, rows)
+        if mass is not None:
+            self.eviction.collect(mass, chunks, decodes, prefills)
+        if logits is None:  # nothing sampled this step
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]).cpu()
         params = [r.sampling_params for r in sampling]
         gens = [self._generator(r.request_id, r.sampling_params.seed, r.sample_index) for r in sampling]
         banned = [
@@ -170,6 +166,27 @@ class ModelRunner:
         if gen is None:
             gen = self.generators[request_id] = torch.Generator().manual_seed(sample_seed(seed, sample_index))
         return gen
+
+    def _copy_blocks(self, by_group: list[list[tuple[int, int]]]) -> None:
+        """Copy-on-write block copies; each KV cache group's copies go to that group's layers only."""
+        for layer, cache in enumerate(self.caches):
+            pairs = by_group[self.layer_groups[layer]]
+            if pairs:
+                cache.copy_blocks(pairs)
+
+    def _forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | list[AttentionMetadata],
+        rows: list[int] | None,
+    ) -> torch.Tensor | None:
+        """Forward pass, then float32 logits (on CPU) of the flattened batch's `rows` (None: every row; []: none).
+
+        The seam a multi-device executor overrides (kvforge/engine/parallel/executor.py runs it on its ranks)."""
+        hidden = self.model(input_ids, positions, self.caches, meta)
+        if rows is not None:
+            if not rows:
+                return None
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        return self.model.compute_logits(hidden).cpu()
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -190,7 +207,8 @@ class ModelRunner:
             single = ([], [0]) if chunk.num_tokens > 1 else ([0], [])
             mass = self.eviction.mass_request([chunk], *single)
             meta.attention_mass = mass  # type: ignore[union-attr]
-        hidden = self.model(input_ids, positions, self.caches, meta)
+        logits = self._forward_logits(input_ids, positions, meta, None)
         if mass is not None:
             self.eviction.collect(mass, [chunk], *single)
-        return self.model.compute_logits(hidden).cpu()
+        assert logits is not None
+        return logits

@@ -16,6 +16,7 @@ from kvforge.ledger import (
     QUANTIZED_DTYPES,
     KVCacheFormat,
     KVGroup,
+    KVShape,
     blocks_per_sequence,
     blocks_per_sequence_evicting,
     format_bytes,
@@ -45,6 +46,7 @@ class StartupReport:
     attention: str = ""  # the attention backend in use, fallbacks named
     linear: str = ""  # how linear layers run (oneDNN packing on CPU)
     tiers: list[tuple[str, str]] = field(default_factory=list)  # KV tier rows (kvforge.kv.tiers.setup.ledger_rows)
+    parallel: list[tuple[str, str]] = field(default_factory=list)  # tensor parallelism: per-device rows
     dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
     kv_eviction: str = "none"
     kv_budget: int | None = None
@@ -86,6 +88,7 @@ class StartupReport:
             *((("attention", self.attention),) if self.attention else ()),
             *((("linear layers", self.linear),) if self.linear else ()),
             *self.tiers,
+            *self.parallel,
         ]
         width = max(len(k) for k, _ in rows)
         return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -117,24 +120,33 @@ def build_startup_report(
     max_model_len: int, caches: list, config: EngineConfig,
 ) -> StartupReport:
     """`groups` are the KV cache groups with their block counts (`ledger.split_kv_blocks`), full attention first."""
-    shape = cfg.kv_shape()
-    per_block = kv_bytes_per_block(shape, block_size, fmt)
     allocated = sum(c.nbytes for c in caches)
-    expected = kv_bytes_for_groups(shape, groups, block_size, fmt)
+    expected = kv_bytes_for_groups(cfg.kv_shape(), groups, block_size, fmt)
     assert allocated == expected, f"cache allocated {allocated} B, ledger says {expected} B"
+    device = next(model.parameters()).device
+    return report_for(cfg, cfg.kv_shape(), fmt, groups, block_size, max_model_len, allocated, config, str(device),
+                      weights_bytes(model), _describe_linear(model))
+
+
+def report_for(
+    cfg: ModelConfig, shape: KVShape, fmt: KVCacheFormat, groups: list[KVGroup], block_size: int, max_model_len: int,
+    allocated: int, config: EngineConfig, device: str, weights: int, linear: str,
+) -> StartupReport:
+    """The report from figures already known: `shape` is what one device caches, `allocated` its KV bytes
+    (tensor parallelism: kvforge/engine/parallel/setup.py passes one rank's)."""
+    per_block = kv_bytes_per_block(shape, block_size, fmt)
     kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
     if fmt.scale_granularity:  # quantized: say how the scales are laid out ("channel" is K only)
         scales = f"per {fmt.scale_granularity}"
         if fmt.scale_granularity == "channel":
             scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
         kv_dtype += f" (scales {scales})"
-    device = next(model.parameters()).device
     return StartupReport(
         model=config.model_config.model or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,
         dtype=config.model_config.dtype,
-        device=str(device),
-        weights_bytes=weights_bytes(model),
+        device=device,
+        weights_bytes=weights,
         kv_dtype=kv_dtype,
         kv_bytes_per_token=kv_bytes_per_token(shape, fmt, block_size),
         block_size=block_size,
@@ -145,8 +157,8 @@ def build_startup_report(
         max_num_seqs=config.scheduler_config.max_num_seqs,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         groups=list(groups),
-        attention=describe_backend(config.model_config.attention_backend, device.type),
-        linear=_describe_linear(model),
+        attention=describe_backend(config.model_config.attention_backend, device.split(":")[0]),
+        linear=linear,
         kv_eviction=config.eviction_config.kv_eviction,
         kv_budget=config.eviction_config.kv_budget,
     )

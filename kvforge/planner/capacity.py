@@ -31,6 +31,7 @@ class PlanOptions:
     avg_seq_len: int | None = None  # None: seq_len
     attention: str = "fused"  # "eager" materialises the [heads, chunk, context] score matrix
     kv_budget: int | None = None  # KV eviction: tokens each sequence keeps once its prompt is cut
+    tensor_parallel_size: int = 1  # > 1: every KV and weights figure is per device (heads split, replicated if too few)
 
 
 @dataclass(slots=True)
@@ -119,6 +120,11 @@ def build_column(
     shape = arch.kv_shape_from_hf(cfg)
     params = arch.param_count(cfg)
     weights = int(params * ledger.element_bytes(wdtype))
+    extra: dict[str, Any] = {}
+    if opts.tensor_parallel_size > 1:  # one device's share: its KV heads, 1/N of the weights (norms aside)
+        layout = ledger.tensor_parallel_kv(shape, opts.tensor_parallel_size)
+        extra = {"tensor_parallel": layout, "kv_heads_total": shape.num_kv_heads}
+        shape, weights = layout.per_device, -(-weights // opts.tensor_parallel_size)
     bs = opts.block_size
     col = Column(
         label=label, model=model, cfg=cfg, shape=shape, fmt=fmt, weights_dtype=wdtype, params=params,
@@ -128,6 +134,7 @@ def build_column(
         per_block=ledger.kv_bytes_per_block(shape, bs, fmt),
         per_seq=ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
         batch_bytes=opts.batch * ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
+        extra=extra,
     )
     if opts.gpu_memory is not None:
         try:

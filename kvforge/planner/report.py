@@ -59,6 +59,8 @@ def _rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
         row(f"per sequence ({opts.seq_len} tokens)", lambda c: format_bytes(c.per_seq)),
         row(f"{opts.batch} sequences x {opts.seq_len}", lambda c: format_bytes(c.batch_bytes)),
     ]
+    if opts.tensor_parallel_size > 1:
+        rows[2:2] = _tensor_parallel_rows(cols, opts) + [("# model", [])]
     caps = [c.capacity for c in cols]
     if all(cap is not None for cap in caps) and opts.gpu_memory is not None:
         cap0 = caps[0]
@@ -88,6 +90,22 @@ def _rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
                 row("sequences at avg length", lambda c: evicting(c.capacity.evicting_at_avg, c.capacity.avg_seq_len)),
             ]
     return rows
+
+
+def _tensor_parallel_rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
+    """Per-device rows: what each of N devices caches, and how often each KV head is stored."""
+    def heads(c: Column) -> str:
+        layout = c.extra["tensor_parallel"]
+        if c.shape.is_mla:
+            return "latent, replicated"
+        return f"{layout.per_device.num_kv_heads} of {c.extra['kv_heads_total']}"
+
+    n = opts.tensor_parallel_size
+    return [
+        (f"# tensor parallel x{n}: rows below per device", []),
+        ("KV heads per device", [heads(c) for c in cols]),
+        ("KV replication", [f"x{c.extra['tensor_parallel'].replication}" for c in cols]),
+    ]
 
 
 def render_table(cols: list[Column], opts: PlanOptions, lints: list[Lint]) -> str:
@@ -131,6 +149,10 @@ def render_json(cols: list[Column], opts: PlanOptions, lints: list[Lint]) -> str
             "kv_bytes": {"per_token_per_layer": _exact(c.per_token_layer), "per_token": _exact(c.per_token),
                          "per_block": c.per_block, "per_sequence": _exact(c.per_seq), "batch": _exact(c.batch_bytes)},
             "capacity": asdict(c.capacity) if c.capacity else None,
+            **({"tensor_parallel": {"size": opts.tensor_parallel_size,
+                                    "kv_heads_per_device": c.extra["tensor_parallel"].per_device.num_kv_heads,
+                                    "replication": c.extra["tensor_parallel"].replication}}
+               if "tensor_parallel" in c.extra else {}),
         })
     doc = {"options": asdict(opts), "configs": configs, "lints": [_json_lint(lint) for lint in lints]}
     return json.dumps(doc, indent=2)

@@ -35,6 +35,11 @@ class ServerConfig:
     body_timeout: float = option(DEFAULT_BODY_TIMEOUT, "seconds a request body has to arrive, else HTTP 408")
     keep_alive_timeout: float = option(5.0, "idle seconds before a keep-alive connection is closed")
     max_connections: int | None = option(None, "concurrent connections before new ones get 503 (default: unbounded)")
+    # Ray Serve (kvforge/distributed/ray_serve.py, needs kvforge[ray])
+    replicas: int | None = option(
+        None, "serve N engine replicas on Ray Serve, routed by their KV caches (needs kvforge[ray])")
+    ray_address: str | None = option(
+        None, "with --replicas: Ray cluster to join ('auto' = the running one); default: a local Ray on loopback")
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -48,5 +53,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.replicas is not None and (not isinstance(self.replicas, int) or self.replicas < 1):
+            raise ValueError(f"replicas must be a positive integer, got {self.replicas}")
+        if self.ray_address is not None and self.replicas is None:
+            raise ValueError("replicas is required with ray_address")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

@@ -1,0 +1,116 @@
+"""Tensor parallelism on torch.distributed: two gloo ranks on CPU give TP=1's tokens and logits.
+
+One TP=2 engine per model family (spawning ranks costs seconds); chunked prefill (16-token budget)
+and preemption (a pool too small for the batch) are on in every comparison. A rank that is killed
+or stops answering makes the engine raise RankFailure, not hang.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvforge import LLM, SamplingParams
+from kvforge.engine.parallel.executor import RankFailure
+from tiny_models import build_tiny_model
+
+PROMPTS = [[(7 * i + 3 * j) % 250 for j in range(6 + 5 * i)] for i in range(4)]
+PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+ENGINE = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, attention_backend="torch")
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _pair(tmp_path_factory, family):
+    path = str(tmp_path_factory.mktemp(family))
+    build_tiny_model(path, family)
+    single = LLM(path, **ENGINE)
+    tp = LLM(path, tensor_parallel_size=2, **ENGINE)
+    return single, tp
+
+
+def _assert_same(single, tp):
+    a = single.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)
+    b = tp.generate(prompt_token_ids=PROMPTS, sampling_params=PARAMS)
+    assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
+    # the pool is too small for the batch: both engines preempted, the same way (one scheduler decides)
+    assert tp.engine.scheduler.num_preemptions == single.engine.scheduler.num_preemptions > 0
+    la, lb = single.engine.prompt_logits(PROMPTS[3]), tp.engine.prompt_logits(PROMPTS[3])
+    assert la.shape == lb.shape and (la - lb).abs().max().item() < 1e-4
+    tp.engine.check_integrity()
+
+
+def _rank_pid(tp, rank):
+    return tp.engine.executor.pids[rank]
+
+
+def test_gqa_tp2_matches_tp1_and_a_killed_rank_fails_clearly(tmp_path_factory):
+    single, tp = _pair(tmp_path_factory, "llama_gqa")
+    try:
+        _assert_same(single, tp)
+        rows = dict(tp.engine.report.parallel)
+        assert "1 of 2 KV heads per rank" in rows["tensor parallel"] and rows["kv replication"].startswith("x1")
+        os.kill(_rank_pid(tp, 1), signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="rank 1"):
+            tp.generate(prompt_token_ids=PROMPTS[:1], sampling_params=PARAMS)
+        assert time.monotonic() - start < 60
+        with pytest.raises(RankFailure):  # and it stays failed, with the same message
+            tp.generate(prompt_token_ids=PROMPTS[:1], sampling_params=PARAMS)
+        assert not any(p.is_alive() for p in tp.engine.executor.procs)  # the other rank was stopped too
+    finally:
+        tp.engine.shutdown()
+
+
+def test_mqa_tp2_replicates_its_kv_head_and_a_hung_rank_times_out(tmp_path_factory):
+    single, tp = _pair(tmp_path_factory, "llama_mqa")
+    try:
+        _assert_same(single, tp)
+        rows = dict(tp.engine.report.parallel)
+        assert rows["kv replication"].startswith("x2")
+        assert tp.engine.pool.num_blocks == single.engine.pool.num_blocks
+        pid = _rank_pid(tp, 0)
+        tp.engine.executor.timeout = 3.0
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RankFailure, match="did not answer"):
+                tp.generate(prompt_token_ids=PROMPTS[:1], sampling_params=PARAMS)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    finally:
+        tp.engine.shutdown()
+
+
+def test_mla_tp2_matches_tp1(tmp_path_factory):
+    single, tp = _pair(tmp_path_factory, "deepseek_v2")  # MLA + DeepSeek MoE: experts split, latent replicated
+    try:
+        _assert_same(single, tp)
+        rows = dict(tp.engine.report.parallel)
+        assert "replicated on every rank" in rows["tensor parallel"] and rows["kv replication"].startswith("x2")
+    finally:
+        tp.engine.shutdown()
+
+
+def test_bad_tensor_parallel_sizes_are_rejected_before_spawning(tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(None, tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="kv_cache_scale"):
+        LLM(None, tensor_parallel_size=2, kv_cache_scale="tensor", kv_cache_dtype="int8")
+
+
+def test_heads_that_cannot_be_split_are_rejected_before_spawning(tmp_path):
+    build_tiny_model(str(tmp_path / "a"), "llama_gqa")  # 4 query heads, 2 KV heads
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
+        LLM(str(tmp_path / "a"), tensor_parallel_size=3)
+    build_tiny_model(str(tmp_path / "b"), "llama_gqa", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide num_key_value_heads=3"):
+        LLM(str(tmp_path / "b"), tensor_parallel_size=2)
