@@ -80,6 +80,9 @@ class KVCacheCoordinator:
         self.pool = PoolsView(self.pools, [len(g.layers) for g in groups])
         self.stats = PrefixCacheStats()
         self.tiers: KVTiers | None = None  # host/disk tiers below the device pool (kvforge.kv.tiers)
+        # KV eviction's scores need some queries computed, never hit (engine/kv_eviction.py): given a
+        # request and its cached head blocks, how many of them it may use (None: all).
+        self.hit_limit: Callable[[KVRequest, list[KVBlock]], int] | None = None
 
     # ---- KV tiers -------------------------------------------------------------------------
     def attach_tiers(self, tiers: KVTiers) -> None:
@@ -120,9 +123,6 @@ class KVCacheCoordinator:
         table = m.tables.get(req.request_id, [])[: m.num_published.get(req.request_id, 0)]
         self.tiers.swap_out((b.block_id, b.block_hash, b.token_ids) for b in table
                             if b.block_hash is not None and b.token_ids is not None)
-        # KV eviction's scores need some queries computed, never hit (engine/kv_eviction.py): given a
-        # request and its cached head blocks, how many of them it may use (None: all).
-        self.hit_limit: Callable[[KVRequest, list[KVBlock]], int] | None = None
 
     # ---- shape and capacity ---------------------------------------------------------------
     @property
