@@ -13,7 +13,7 @@ import kvforge
 
 # Bottom first. A part may import its own modules and any part of a lower layer, nothing else.
 LAYERS: list[set[str]] = [
-    {"ledger"},  # KV byte arithmetic: pure, imports nothing of kvforge
+    {"ledger", "flags", "progress"},  # KV byte arithmetic; config-field flags; progress lines: import nothing of kvforge
     {"hf_config"},  # HF config.json -> model description (KVShape, windows, family): pure
     {"config", "gguf_tokenizer", "native"},  # validated configs (pure); GGUF tokenizer metadata; C builds
     {"tokenizer", "planner"},  # text <-> ids; `kvforge plan` arithmetic (pure)
@@ -22,7 +22,8 @@ LAYERS: list[set[str]] = [
     {"models"},
     {"engine"},
     {"evaluation", "server"},
-    {"commands", "cli", "__init__", "__main__"},
+    {"commands"},  # one module per `kvforge` subcommand, and the registry
+    {"cli", "__init__", "__main__"},
 ]
 RANK = {part: i for i, layer in enumerate(LAYERS) for part in layer}
 ROOT = Path(kvforge.__file__).parent
