@@ -357,7 +357,8 @@ def test_models_reports_the_effective_limit_and_the_ledger(model_dir):
                                   max_num_batched_tokens=64, log_ledger=False))
     card = TestClient(build_app(AsyncEngine(engine), MODEL_NAME)).get("/v1/models").json()["data"][0]
     assert card["max_model_len"] == engine.scheduler.max_seq_len <= 64
-    assert card["kvforge"]["configured_max_model_len"] == 256 and card["kvforge"]["kv_cache_tokens"] == 64
+    # 4 blocks of memory, one the pool's reserved null block: 3 usable blocks of 16 tokens
+    assert card["kvforge"]["configured_max_model_len"] == 256 and card["kvforge"]["kv_cache_tokens"] == 48
 
 
 # ---- 9. a 1,000-message chat --------------------------------------------------------------------------------------

@@ -201,7 +201,8 @@ class GroupManager:
         if not self.pool.enable_caching:
             return
         done = self.num_published.get(req.request_id, 0)
-        if num_full <= done or getattr(req, "num_evicted_tokens", 0):
+        evicted: int = getattr(req, "num_evicted_tokens", 0)  # an evicting sequence's blocks are not the prompt's
+        if num_full <= done or evicted:
             return
         table, bs = self.tables[req.request_id], self.block_size
         for i in range(done, min(num_full, len(hashes))):
