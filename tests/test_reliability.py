@@ -266,9 +266,10 @@ def test_full_queue_is_503_with_retry_after_and_counted(server, http):
 
 # ---- 6. shutdown cut streams without an error event or [DONE] --------------------------------------------------------
 def test_drain_finishes_short_requests_and_ends_long_streams_cleanly(model_dir):
-    srv = _server(model_dir, max_num_seqs=8)
+    # long streams must outlast the 1 s shutdown timeout even on a fast, idle machine
+    srv = _server(model_dir, max_num_seqs=8, max_model_len=4096, num_kv_blocks=600)
     try:
-        long_body = {**OK, "max_tokens": 240, "ignore_eos": True, "stream": True, "prompt": "a"}
+        long_body = {**OK, "max_tokens": 4000, "ignore_eos": True, "stream": True, "prompt": "a"}
         short_body = {**OK, "max_tokens": 2, "ignore_eos": True, "stream": True}
 
         def stream(body: dict) -> list[str]:

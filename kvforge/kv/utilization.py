@@ -11,6 +11,7 @@ windowed group's null-block placeholders (blocks that left the window) hold noth
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 from dataclasses import dataclass
 
 from kvforge.kv.coordinator import KVCacheCoordinator
@@ -58,7 +59,7 @@ def measure(kv: KVCacheCoordinator, num_stored: Mapping[str, int]) -> KVUtilizat
     return KVUtilization(tokens, slots)
 
 
-def measure_running(kv: KVCacheCoordinator, running: Iterable) -> KVUtilization:
+def measure_running(kv: KVCacheCoordinator, running: Iterable[Any]) -> KVUtilization:
     """Utilization right now: each running request's tables against the tokens it has computed."""
     return measure(kv, {r.request_id: r.num_computed_tokens for r in running})
 
@@ -122,7 +123,7 @@ class KVUtilizationStats:
                 "peak_slots_allocated": self.peak_slots_allocated}
 
 
-def stored_after_step(running: Iterable, chunks: Iterable) -> tuple[dict[str, int], dict[str, str]]:
+def stored_after_step(running: Iterable[Any], chunks: Iterable[Any]) -> tuple[dict[str, int], dict[str, str]]:
     """(request id -> tokens written once `chunks` run, request id -> caller's id) for every running request."""
     stored = {r.request_id: r.num_computed_tokens for r in running}
     groups = {r.request_id: r.group_id for r in running}
