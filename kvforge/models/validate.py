@@ -53,7 +53,7 @@ def validate_hf_config(cfg: Any, source: str) -> None:
             fail(name, "a positive integer (or absent)")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     kv_heads = cfg.get("num_key_value_heads") or heads
-    if heads % kv_heads:
+    if heads % kv_heads and not cfg.get("kv_lora_rank"):  # MLA caches a latent: its num_key_value_heads is unused
         fail("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
     if cfg.get("head_dim") is None and not cfg.get("kv_lora_rank") and hidden % heads:
         fail("num_attention_heads", f"a divisor of hidden_size ({hidden}) when head_dim is not given")
