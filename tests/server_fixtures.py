@@ -57,3 +57,19 @@ def parse_metrics(text: str) -> dict[str, float]:
             labels = ",".join(f'{k}="{v}"' for k, v in items)
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def wait_for_health(proc, url: str, timeout: float) -> None:
+    """Poll a `kvforge serve` subprocess's /health until 200; fail with its output if it exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from server_fixtures import parse_metrics, tiny_model_dir
+from server_fixtures import parse_metrics, tiny_model_dir, wait_for_health
 
 POISONS = [
     {"prompt": "abc", "seed": 1180591620717411303424, "temperature": 1.0},
@@ -47,16 +47,7 @@ def serve(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
+    wait_for_health(proc, url, 120)
     yield proc, url
     if proc.poll() is None:
         proc.kill()

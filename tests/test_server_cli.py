@@ -14,6 +14,7 @@ import pytest
 from kvforge.cli import main
 from kvforge.commands.serve import served_model_name
 from tiny_models import build_tiny_model
+from server_fixtures import wait_for_health
 
 
 def _free_port() -> int:
@@ -45,16 +46,7 @@ def test_kvforge_serve_subprocess_with_api_key_env(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_for_health(proc, url, 90)
         body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
         r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer env-key"}, timeout=30)
