@@ -169,8 +169,8 @@ def main() -> None:
     ap.add_argument("--host-memory", default="256MiB")
     ap.add_argument("--restart-prefix", type=int, default=2048)
     ap.add_argument("--swap-requests", type=int, default=6)
-    ap.add_argument("--swap-prompt", type=int, default=512)
-    ap.add_argument("--swap-output", type=int, default=64)
+    ap.add_argument("--swap-prompt", type=int, default=256)
+    ap.add_argument("--swap-output", type=int, default=192)
     ap.add_argument("--save", default=os.path.join(os.path.dirname(__file__), "results", "kv_tiers.json"))
     args = ap.parse_args()
 
