@@ -193,7 +193,7 @@ def test_reset_prefix_cache_refuses_while_blocks_in_use(tiny_model_factory):
 
 def test_blocks_of_a_failed_step_are_never_hit(tiny_model_factory):
     """A block is published when its step is scheduled; if that step fails before writing its K/V, the
-    block's hash is dropped at the next step, so no later request hits a row that holds no valid K/V."""
+    block's hash is dropped at once, so no later request hits a row that holds no valid K/V."""
     from kvforge.engine.engine import StepFailed
 
     path, _ = tiny_model_factory("llama_gqa")
@@ -209,6 +209,7 @@ def test_blocks_of_a_failed_step_are_never_hit(tiny_model_factory):
     rid = engine.add_request(prompt_token_ids=PROMPTS[0], params=GREEDY)
     with pytest.raises(StepFailed):
         engine.step()
+    assert engine.pool.num_cached_blocks == 0  # published when scheduled, dropped when the step failed
     engine.abort_request(rid)
     engine.runner.execute = execute
     (again,) = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY)

@@ -211,8 +211,8 @@ class KVCacheCoordinator:
     def begin_step(self) -> None:
         """The scheduler opens a step: until `finish_step`, blocks published by this step's allocations
         cannot be hit (their K/V is written only when the step runs), so a request admitted later in the
-        same step computes those tokens itself rather than sharing a block that is still being written.
-        Blocks published by a step that never reached `finish_step` (it failed) lose their hash."""
+        same step never shares a block that is still being written (see `waits_for_fill`). Blocks
+        published by a step that never reached `finish_step` (it failed) lose their hash."""
         for m in self.managers:
             m.begin_step()
 
@@ -220,6 +220,12 @@ class KVCacheCoordinator:
         """The step ran: the blocks it published hold their K/V and may be hit from now on."""
         for m in self.managers:
             m.finish_step()
+
+    def discard_unwritten(self) -> None:
+        """The open step failed before it ran: the blocks it published lose their hash at once (no hit, no
+        eviction counted, no tier export), since their rows hold no valid K/V."""
+        for m in self.managers:
+            m.discard_unwritten()
 
     def waits_for_fill(self, req: KVRequest, num_cached_tokens: int) -> bool:
         """Whether `req`'s prefix hit (of `num_cached_tokens`, from `get_computed_blocks`) stops at a block

@@ -77,27 +77,31 @@ class GroupManager:
     def hittable_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block for `block_hash`, unless the step being scheduled has yet to write its K/V."""
         block = self.pool.get_cached_block(block_hash, token_ids)
-        if block is not None and self.filling is not None and block.block_id in self.filling:
-            return None
-        return block
+        return None if self._being_written(block) else block
 
     def is_filling(self, req: KVRequest, hashes: Sequence[BlockHash], index: int) -> bool:
         """Whether `req`'s block `index` is cached in a block the step being scheduled has yet to write."""
-        bs = self.block_size
-        if self.filling is None or index >= len(hashes):
+        if index >= len(hashes):
             return False
-        block = self.pool.get_cached_block(hashes[index], req.all_token_ids[index * bs : (index + 1) * bs])
-        return block is not None and block.block_id in self.filling
+        bs = self.block_size
+        return self._being_written(self.pool.get_cached_block(hashes[index], req.all_token_ids[index * bs : (index + 1) * bs]))
+
+    def _being_written(self, block: KVBlock | None) -> bool:
+        return block is not None and self.filling is not None and block.block_id in self.filling
 
     def begin_step(self) -> None:
-        """Open a step: blocks a previous step published but never ran lose their hash (their rows hold no
-        valid K/V); blocks published from now on are not hittable until `finish_step`."""
-        for block_id in self.filling or ():
-            self.pool.uncache_block(self.pool.blocks[block_id])
+        """Open a step: blocks published from now on are not hittable until `finish_step`."""
+        self.discard_unwritten()
         self.filling = set()
 
     def finish_step(self) -> None:
         """The step ran: the blocks it published hold their K/V and may be hit."""
+        self.filling = None
+
+    def discard_unwritten(self) -> None:
+        """The open step never ran (it raised): the blocks it published hold no valid K/V, so they lose their hash."""
+        for block_id in self.filling or ():
+            self.pool.uncache_block(self.pool.blocks[block_id])
         self.filling = None
 
     def first_live_block(self, num_blocks: int) -> int:
