@@ -254,3 +254,22 @@ def test_recent_window_hit_rate():
     stats.record(10, 10, recompute=False)
     assert stats.hit_rate == pytest.approx(20 / 30)
     assert stats.recent_hit_rate == 1.0
+
+
+def test_blocks_a_step_publishes_are_hit_only_after_it_ran(kv):
+    """Within an open step, a block published by this step's allocations is not hittable (its K/V is not
+    written yet); `finish_step` makes it hittable; a step never finished leaves its blocks unhashed."""
+    pool = kv.pools[0]
+    kv.begin_step()
+    assert _admit(kv, _req("a", list(range(9)))) == [0, 1, 2]
+    b = _req("b", list(range(9)))
+    assert kv.get_computed_blocks(b)[1] == 0 and kv.waits_for_fill(b, 0)  # same step: a's blocks are being written
+    kv.finish_step()
+    assert kv.get_computed_blocks(b)[1] == 8 and not kv.waits_for_fill(b, 8)
+    kv.begin_step()  # this step fails: finish_step never comes
+    assert _admit(kv, _req("c", list(range(100, 109)))) == [3, 4, 5]
+    kv.begin_step()  # the next step: c's published blocks hold no K/V and lose their hash
+    assert pool.num_cached_blocks == 2 and pool.blocks[3].block_hash is None and pool.num_evictions == 0
+    assert kv.get_computed_blocks(_req("d", list(range(100, 109))))[1] == 0
+    kv.finish_step()
+    kv.check_integrity()

@@ -189,3 +189,31 @@ def test_reset_prefix_cache_refuses_while_blocks_in_use(tiny_model_factory):
     (out,) = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY)
     assert out.num_cached_tokens == 0
     assert_no_leaks(llm.engine)
+
+
+def test_blocks_of_a_failed_step_are_never_hit(tiny_model_factory):
+    """A block is published when its step is scheduled; if that step fails before writing its K/V, the
+    block's hash is dropped at once, so no later request hits a row that holds no valid K/V."""
+    from kvforge.engine.engine import StepFailed
+
+    path, _ = tiny_model_factory("llama_gqa")
+    llm = _llm(path)
+    engine = llm.engine
+    (fresh,) = _llm(path).generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY)
+    execute = engine.runner.execute
+
+    def broken(out):
+        raise RuntimeError("simulated failure before the forward pass")
+
+    engine.runner.execute = broken
+    rid = engine.add_request(prompt_token_ids=PROMPTS[0], params=GREEDY)
+    with pytest.raises(StepFailed):
+        engine.step()
+    assert engine.pool.num_cached_blocks == 0  # published when scheduled, dropped when the step failed
+    engine.abort_request(rid)
+    engine.runner.execute = execute
+    (again,) = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY)
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == fresh.outputs[0].token_ids
+    (third,) = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY)  # blocks that were written hit
+    assert third.num_cached_tokens == 28 and third.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert_no_leaks(engine)

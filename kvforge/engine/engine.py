@@ -280,6 +280,7 @@ class LLMEngine:
         except EngineFatal:
             raise
         except Exception as exc:
+            self.kv.discard_unwritten()  # a no-op once the step's update ran: its blocks were written
             ids = list(dict.fromkeys(c.request.group_id for c in sched_out.chunks))
             raise StepFailed(ids) from exc
 

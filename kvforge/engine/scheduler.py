@@ -84,6 +84,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(block_copies=[[] for _ in range(self.kv.num_groups)])
+        self.kv.begin_step()  # blocks this step publishes are shared only once it has written them (update)
         budget = self.config.max_num_batched_tokens
         for req in self.running:  # before any allocation, so a request the budget skips holds O(window) too
             self.kv.release_out_of_window(req)
@@ -146,6 +147,8 @@ class Scheduler:
         while self.waiting and budget > 0 and num_seqs + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(req)
+            if self.kv.waits_for_fill(req, num_cached):
+                break  # its next prompt block is being written by this step: next step it hits it instead
             n = min(req.num_tokens - num_cached, budget)  # only uncached tokens cost budget
             copies = self.kv.allocate_slots(req, n, hits)
             if copies is None:
@@ -178,6 +181,7 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, and finish requests; returns the requests that got a token."""
+        self.kv.finish_step()  # the step ran: the blocks it published hold their K/V and may be hit
         advanced = []
         for chunk in out.chunks:
             for req in (chunk.request, *chunk.forks):

@@ -116,15 +116,27 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None:
-        """Index a newly full block; the first block to publish a hash keeps it."""
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Index a newly full block; the first block to publish a hash keeps it. True if `block` was indexed."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
+        return True
+
+    def uncache_block(self, block: KVBlock) -> None:
+        """Take `block` out of the prefix index without counting an eviction or telling the evict listeners.
+
+        For a block published by a step that never ran: its row holds no valid KV, so nothing may hit
+        it and no tier may copy it out.
+        """
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

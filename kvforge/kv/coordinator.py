@@ -198,15 +198,42 @@ class KVCacheCoordinator:
         """Each block from the device pool, else from the fastest tier holding it; stops at the first miss."""
         assert self.tiers is not None
         self.tiers.forget_lookup(req.request_id)
-        pool, bs, hits = self.managers[0].pool, self.block_size, []
+        manager, bs, hits = self.managers[0], self.block_size, []
         for i, h in enumerate(hashes[: (req.num_tokens - 1) // bs]):
             tokens = req.all_token_ids[i * bs : (i + 1) * bs]
-            hit = pool.get_cached_block(h, tokens) or self.tiers.lookup(req.request_id, h, tokens)
+            hit = manager.hittable_block(h, tokens) or self.tiers.lookup(req.request_id, h, tokens)
             if hit is None:
                 break
             hits.append(hit)
         # tier hits ride in the device list until commit_slots gives each a fresh block
         return KVCacheBlocks((cast(list[KVBlock], hits),)), len(hits) * bs
+
+    def begin_step(self) -> None:
+        """The scheduler opens a step: until `finish_step`, blocks published by this step's allocations
+        cannot be hit (their K/V is written only when the step runs), so a request admitted later in the
+        same step never shares a block that is still being written (see `waits_for_fill`). Blocks
+        published by a step that never reached `finish_step` (it failed) lose their hash."""
+        for m in self.managers:
+            m.begin_step()
+
+    def finish_step(self) -> None:
+        """The step ran: the blocks it published hold their K/V and may be hit from now on."""
+        for m in self.managers:
+            m.finish_step()
+
+    def discard_unwritten(self) -> None:
+        """The open step failed before it ran: the blocks it published lose their hash at once (no hit, no
+        eviction counted, no tier export), since their rows hold no valid K/V."""
+        for m in self.managers:
+            m.discard_unwritten()
+
+    def waits_for_fill(self, req: KVRequest, num_cached_tokens: int) -> bool:
+        """Whether `req`'s prefix hit (of `num_cached_tokens`, from `get_computed_blocks`) stops at a block
+        the step being scheduled is writing: admitted next step, `req` would hit it rather than compute it."""
+        index = num_cached_tokens // self.block_size  # the block the hit stopped at (never the last token's)
+        if not self.enable_caching or index >= (req.num_tokens - 1) // self.block_size:
+            return False
+        return self.managers[0].is_filling(req, req.block_hashes, index)
 
     def record_lookup(self, req: KVRequest, num_cached: int) -> None:
         """Count an admitted request's lookup; called once per admission, never for a failed attempt."""

@@ -31,6 +31,9 @@ class GroupManager:
         self.num_cow_copies = 0  # blocks copied because a forked sample wrote into a shared partial block
         self.tiers: KVTiers | None = None  # KV tiers below this pool (set by the coordinator)
         self.loads: list[KVLoad] = []  # tier hits taken by commit_slots, for the next SchedulerOutput
+        # Blocks published while a step is being scheduled, whose K/V that step has yet to write (None: no
+        # step open). Nothing hits them until the step ran, so no block another table holds is ever written.
+        self.filling: set[int] | None = None
 
     @property
     def null_block(self) -> KVBlock:
@@ -65,11 +68,41 @@ class GroupManager:
         """This pool's cached block (or None) for each of `req`'s first `num_blocks` full blocks."""
         bs, out = self.block_size, []
         for i, h in enumerate(hashes[:num_blocks]):
-            block = self.pool.get_cached_block(h, req.all_token_ids[i * bs : (i + 1) * bs])
+            block = self.hittable_block(h, req.all_token_ids[i * bs : (i + 1) * bs])
             if block is None and stop_at_miss:
                 break
             out.append(block)
         return out
+
+    def hittable_block(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
+        """The cached block for `block_hash`, unless the step being scheduled has yet to write its K/V."""
+        block = self.pool.get_cached_block(block_hash, token_ids)
+        return None if self._being_written(block) else block
+
+    def is_filling(self, req: KVRequest, hashes: Sequence[BlockHash], index: int) -> bool:
+        """Whether `req`'s block `index` is cached in a block the step being scheduled has yet to write."""
+        if index >= len(hashes):
+            return False
+        bs = self.block_size
+        return self._being_written(self.pool.get_cached_block(hashes[index], req.all_token_ids[index * bs : (index + 1) * bs]))
+
+    def _being_written(self, block: KVBlock | None) -> bool:
+        return block is not None and self.filling is not None and block.block_id in self.filling
+
+    def begin_step(self) -> None:
+        """Open a step: blocks published from now on are not hittable until `finish_step`."""
+        self.discard_unwritten()
+        self.filling = set()
+
+    def finish_step(self) -> None:
+        """The step ran: the blocks it published hold their K/V and may be hit."""
+        self.filling = None
+
+    def discard_unwritten(self) -> None:
+        """The open step never ran (it raised): the blocks it published hold no valid K/V, so they lose their hash."""
+        for block_id in self.filling or ():
+            self.pool.uncache_block(self.pool.blocks[block_id])
+        self.filling = None
 
     def first_live_block(self, num_blocks: int) -> int:
         """First block a windowed group keeps once `num_blocks` blocks are computed (the freeing rule)."""
@@ -206,7 +239,9 @@ class GroupManager:
             return
         table, bs = self.tables[req.request_id], self.block_size
         for i in range(done, min(num_full, len(hashes))):
-            self.pool.cache_block(table[i], hashes[i], req.all_token_ids[i * bs : (i + 1) * bs])
+            if self.pool.cache_block(table[i], hashes[i], req.all_token_ids[i * bs : (i + 1) * bs]):
+                if self.filling is not None:
+                    self.filling.add(table[i].block_id)
         self.num_published[req.request_id] = min(num_full, len(hashes))
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
