@@ -38,7 +38,12 @@ NO_PREFIX = "no_prefix"  # nobody held any block of the prompt: least loaded
 @dataclass
 class RouterConfig:
     max_load_ratio: float = 1.5  # affinity target may be up to this factor above the least loaded ...
-    max_load_diff: float = 4.0  # ... or up to this many requests above it (both must be exceeded to fall back)
+    # ... or up to this many requests above it (both must be exceeded to fall back). A fallback turns a hit into
+    # a full prefill of the prefix elsewhere, and duplicates it in a second pool: at 4, the shared-prefix benchmark
+    # (benchmarks/routing.py, 8 x 1K-token prefixes, pools holding ~5) fell back often enough to lose to the
+    # prefix-tree router (mean TTFT 5.9 s vs 3.5 s); at 16 it matched or beat it. sglang's and vllm-router's
+    # cache_aware default is 64 (with the same 1.5 ratio); 16 keeps a dead-slow replica from collecting a queue.
+    max_load_diff: float = 16.0
     pending_ttl: float = 30.0  # seconds routed-but-unreported blocks count as held by their replica
 
     def __post_init__(self) -> None:
