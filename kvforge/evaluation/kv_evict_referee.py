@@ -119,6 +119,12 @@ def referee_rows(answers: list[dict], tokenizer, keys: Sequence[str]) -> list[Ev
     return rows
 
 
+def _threads() -> int | None:
+    """The referee's torch threads: this process's OMP_NUM_THREADS when set (the machine may be shared)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def kvpress_rows(ev, model: str | None, python: str, progress=None, presses: Sequence[str] = tuple(PRESSES),
                  runner: str = RUNNER) -> list[EvictRow]:  # type: ignore[no-untyped-def]
     """The referee's rows for a `KVEvictEval` whose full-cache row ran (its greedy paths are the reference)."""
@@ -130,7 +136,7 @@ def kvpress_rows(ev, model: str | None, python: str, progress=None, presses: Seq
     with tempfile.TemporaryDirectory(prefix="kvforge-kvpress-") as tmp:
         folder = export_hf_folder(model, tmp)
         job = build_job(folder, [p for p, _ in ev.passkeys], list(zip(ev.prompts, ev.base)), budgets, presses,
-                        threads=int(os.environ.get("OMP_NUM_THREADS", "0")) or None)
+                        threads=_threads())
         answers = run_referee(python, job, runner=runner,
                               on_row=None if progress is None else (lambda a: progress(EvictRow(a["policy"], a["budget"]))))
     return referee_rows(answers, ev.engine.tokenizer, [k for _, k in ev.passkeys])
