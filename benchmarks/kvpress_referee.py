@@ -41,7 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kvforge-kvpress-") as tmp:
         job = build_job(export_hf_folder(args.model, tmp), [p for p, _ in prompts], [],
                         [(str(b), [b] * len(prompts), []) for b in budgets], threads=1)
-        answers = run_referee(python, job)
+        answers = run_referee(python, job, on_row=lambda a: print(f"  {a['policy']} @ {a['budget']}", file=sys.stderr))
     wall = time.perf_counter() - start
     version = subprocess.run([python, "-c", "from importlib.metadata import version as v; "
                               "print(v('kvpress'), v('transformers'), v('torch'))"],

@@ -31,7 +31,7 @@ compresses after each layer's prefill attention, so the first generated token st
 prompt (as kvforge's first token does); the following greedy tokens see the compressed cache, which
 then grows (kvpress does not evict during decode). Teacher-forced step agreement feeds the reference
 path after the compressed prefill in one forward (causal within the path, true positions) and counts
-the steps whose argmax matches the path. Progress goes to stderr.
+the steps whose argmax matches the path.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ class Referee:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
 
-        logging.disable_progress_bar()  # stderr carries one progress line per row, nothing else
+        logging.disable_progress_bar()  # the caller reports progress per row; no bars on its stderr
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
         self.model.eval()
 
@@ -133,9 +133,8 @@ def main() -> int:
         torch.set_num_threads(int(job["threads"]))
     ref = Referee(job["model"])
 
-    def emit(row: dict) -> None:
+    def emit(row: dict) -> None:  # one line per row, flushed: the caller reports progress as they come
         print(json.dumps(row), flush=True)
-        print(f"  kvpress referee: {row['policy']} @ {row['budget']}", file=sys.stderr, flush=True)
 
     emit(ref.row(FULL_CACHE, "100%", job, None, None))
     for spec in job.get("presses", []):
