@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -75,9 +76,9 @@ def budget_tokens(label: str, length: int, block_size: int) -> int:
 class EvictRow:
     policy: str
     budget: str
-    perplexity: float = 0.0
-    step_agreement: float = 1.0
-    same_prefix: float = 1.0
+    perplexity: float | None = 0.0  # None: not measured (the kvpress referee's rows)
+    step_agreement: float | None = 1.0
+    same_prefix: float | None = 1.0
     passkey: int = 0
     passkey_total: int = 0
     kept: float = 1.0  # mean share of the prompt's tokens kept after the cut (free-running prompts)
@@ -226,7 +227,9 @@ def _same_prefix(mine: list[int], base: list[int]) -> float:
     return first / len(base)
 
 
-def run_kv_evict_eval(engine, options: EvictOptions, progress=None) -> list[EvictRow]:  # type: ignore[no-untyped-def]
+def run_kv_evict_eval(engine, options: EvictOptions, progress=None,  # type: ignore[no-untyped-def]
+                      referee: Callable[[KVEvictEval], list[EvictRow]] | None = None) -> list[EvictRow]:
+    """The full cache, then each policy's rows, then `referee`'s (the kvpress rows) on the same inputs."""
     ev = KVEvictEval(engine, options)
     rows = [ev.full_cache_row()]
     if progress is not None:
@@ -234,7 +237,13 @@ def run_kv_evict_eval(engine, options: EvictOptions, progress=None) -> list[Evic
     for policy in options.policies:
         rows += ev.policy_rows(policy, progress)
     engine.check_integrity()
+    if referee is not None:
+        rows += referee(ev)
     return rows
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "–" if value is None else fmt.format(value)
 
 
 def render_table(rows: list[EvictRow], opts: EvictOptions, model: str) -> str:
@@ -248,8 +257,10 @@ def render_table(rows: list[EvictRow], opts: EvictOptions, model: str) -> str:
         if r.notes:
             lines.append(f"| {r.policy} | {r.budget} | – | – | – | – ({r.notes[0][:60]}) |")
             continue
-        lines.append(f"| {r.policy} | {r.budget} | {r.perplexity:.2f} | {100 * r.step_agreement:.1f}% | "
-                     f"{100 * r.same_prefix:.1f}% | {r.passkey}/{r.passkey_total} |")
+        lines.append(f"| {r.policy} | {r.budget} | {_cell(r.perplexity, '{:.2f}')} | "
+                     f"{_cell(None if r.step_agreement is None else 100 * r.step_agreement, '{:.1f}%')} | "
+                     f"{_cell(None if r.same_prefix is None else 100 * r.same_prefix, '{:.1f}%')} | "
+                     f"{r.passkey}/{r.passkey_total} |")
     return head + "\n".join(lines)
 
 
@@ -264,8 +275,10 @@ def save_plot(rows: list[EvictRow], path: str) -> None:
     for policy in sorted({r.policy for r in rows[1:]}):
         mine = [r for r in rows if r.policy == policy and not r.notes]
         labels = [r.budget for r in mine]
-        axes[0].plot(labels, [r.perplexity for r in mine], marker="o", label=policy)
-        axes[1].plot(labels, [100 * r.step_agreement for r in mine], marker="o", label=policy)
+        if all(r.perplexity is not None for r in mine):  # the kvpress referee measures no perplexity
+            axes[0].plot(labels, [r.perplexity for r in mine], marker="o", label=policy)
+        if all(r.step_agreement is not None for r in mine):
+            axes[1].plot(labels, [100 * r.step_agreement for r in mine], marker="o", label=policy)
         axes[2].plot(labels, [r.passkey for r in mine], marker="o", label=policy)
     axes[0].axhline(full.perplexity, color="gray", ls="--", label="full cache")
     axes[2].axhline(full.passkey, color="gray", ls="--", label="full cache")
