@@ -94,13 +94,18 @@ async def run_load(base: str, model: str, items: list[tuple[int, str]], concurre
     return results
 
 
-def replica_hit_rates(base: str) -> dict[str, float]:
-    import httpx
+def replica_hit_rates() -> dict[str, float]:
+    """Each replica's own prefix-cache hit rate (hit / queried tokens), asked of its actor directly, so
+    every policy is measured the same way (only the KV-aware router polls the replicas itself)."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
 
     out = {}
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
-        if line.startswith("kvforge_replica_prefix_cache_hit_rate{"):
-            out[line.split('"')[1]] = float(line.split()[-1])
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == SERVE_NAMESPACE and "KVForgeServer" in actor["name"]:
+            stats = ray.get(ray.get_actor(actor["name"], namespace=SERVE_NAMESPACE).record_routing_stats.remote())
+            q = stats.get("prefix_queries", 0)
+            out[str(stats.get("replica", actor["name"]))] = stats.get("prefix_hits", 0) / q if q else 0.0
     return out
 
 
@@ -132,7 +137,7 @@ def routing_part(args) -> list[dict]:
         res = asyncio.run(run_load(base, "bench", items, args.concurrency, args.max_tokens))
         wall = time.perf_counter() - t0
         time.sleep(1.0)  # one more stats poll
-        hits = replica_hit_rates(base) if name == "kv" else {}
+        hits = replica_hit_rates()
         ttfts = sorted(t for _, t in res)
         per = {}
         for r, _ in res:
@@ -149,15 +154,33 @@ def routing_part(args) -> list[dict]:
     return rows
 
 
+def tp_model_path() -> str:
+    """A random-weight Llama of SmolLM2-135M's size (576 hidden, 1536 MLP, 30 layers) with 8 query and 4 KV
+    heads: SmolLM2's own 9 query / 3 KV heads cannot be split over 2 ranks. Step time depends on the shapes,
+    not on the weights (TP=2 logits equal TP=1 within 1e-4 on the tests' models: tests/test_tensor_parallel.py)."""
+    import tempfile
+
+    sys.path.insert(0, os.path.join(ROOT, "..", "tests"))
+    from tiny_models import build_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), "kvforge-tp-bench-model")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(path, "llama_gqa", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=8, num_key_value_heads=4)
+    return path
+
+
 def tp_part(args) -> list[dict]:
     from kvforge import LLM, SamplingParams
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    prompts = [[(13 * i + j) % 1000 + 10 for j in range(args.tp_prompt_len)] for i in range(args.tp_batch)]
+    model = args.tp_model or tp_model_path()
+    vocab = 250 if args.tp_model is None else 1000  # the generated model has a byte-level vocabulary
+    prompts = [[(13 * i + j) % vocab + 3 for j in range(args.tp_prompt_len)] for i in range(args.tp_batch)]
     rows = []
     for tp in (1, 2):
-        llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=tp, log_ledger=False,
+        llm = LLM(model, dtype=args.dtype, tensor_parallel_size=tp, log_ledger=False,
                   kv_cache_memory="256MiB", enable_prefix_caching=False)
         eng = llm.engine
         llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
@@ -196,6 +219,7 @@ def main() -> None:
     ap.add_argument("--policies", default="kv,pow2,tree")
     ap.add_argument("--skip-routing", action="store_true")
     ap.add_argument("--skip-tp", action="store_true")
+    ap.add_argument("--tp-model", default=None, help="default: a random Llama of SmolLM2-135M's size, 8 heads / 4 KV heads")
     ap.add_argument("--tp-batch", type=int, default=8)
     ap.add_argument("--tp-prompt-len", type=int, default=128)
     ap.add_argument("--tp-steps", type=int, default=16)
