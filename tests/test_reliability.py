@@ -278,8 +278,13 @@ def test_drain_finishes_short_requests_and_ends_long_streams_cleanly(model_dir):
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futs = [pool.submit(stream, long_body) for _ in range(2)]
-            short = pool.submit(stream, short_body)
             deadline = time.monotonic() + 30
+            # both long streams are in the engine before the drain: on a loaded machine one could otherwise
+            # arrive after it started and be refused (503, no events)
+            while srv.async_engine.num_in_flight < 2:
+                assert time.monotonic() < deadline, "the requests never reached the engine"
+                time.sleep(0.01)
+            short = pool.submit(stream, short_body)
             while srv.async_engine.num_in_flight < 3 and not short.done():
                 assert time.monotonic() < deadline, "the requests never reached the engine"
                 time.sleep(0.01)
