@@ -143,6 +143,10 @@ class KVCacheCoordinatorProtocol(Protocol):
         """Whether `req`'s prefix hit stops at a block the step being scheduled is writing."""
         ...
 
+    def discard_unwritten(self) -> None:
+        """The open step failed before it ran: the blocks it published lose their hash (no hit, no tier export)."""
+        ...
+
     def release_out_of_window(self, req: KVRequest) -> None: ...
 
     def allocate_slots(
