@@ -16,7 +16,7 @@ from transformers.cache_utils import DynamicCache
 from conftest import assert_no_leaks
 from kvforge import LLM, SamplingParams
 from kvforge.engine.args import EngineArgs
-from kvforge.kv.eviction import EvictionConfig, blocks_to_keep, max_pool
+from kvforge.kv.eviction import EvictionConfig, blocks_to_keep, check_budget, max_pool
 
 BS = 4
 PROMPT = [(7 * i + 3) % 250 for i in range(45)]
@@ -42,6 +42,16 @@ def test_blocks_to_keep_rules():
     assert blocks_to_keep("snapkv", 10, 4, 1, 1, scores) == [0, 3, 6, 9]
     assert blocks_to_keep("h2o", 3, 5, 1, 2, scores) == [0, 1, 2]  # within budget: everything
     assert blocks_to_keep("h2o", 6, 3, 1, 1, [0, 1, 1, 1, 1, 0]) == [0, 4, 5]  # ties go to the later block
+
+
+def test_recent_window_defaults_to_half_the_budget_for_h2o():
+    """H2O's own split (heavy hitters and recent tokens, half each) unless kv_recent_tokens is set; a
+    per-request budget gets its own half; snapkv keeps 32 recent tokens."""
+    h2o = EvictionConfig("h2o", 256)
+    assert h2o.recent_blocks(16, 256) == 8 and h2o.recent_blocks(16, 128) == 4 and h2o.recent_blocks(16, 16) == 1
+    assert EvictionConfig("h2o", 256, kv_recent_tokens=40).recent_blocks(16, 128) == 3
+    assert EvictionConfig("snapkv", 256).recent_blocks(16, 1024) == 2
+    assert check_budget(32, h2o, 16, "kv_budget") == 2  # one sink block + one recent block fit
 
 
 def test_max_pool_same_length():
@@ -104,10 +114,14 @@ def _reference(model, prompt, policy, budget, sink, recent, window, pool, steps)
     with torch.no_grad():
         out = model(ids, use_cache=True, output_attentions=True)
     positions = list(range(len(prompt)))
-    rows = slice(0, len(prompt)) if policy == "h2o" else slice(len(prompt) - window, len(prompt))
-    scores = mass_of(out.attentions, rows)
-    if policy == "snapkv":
-        scores = torch.tensor(max_pool(scores.tolist(), pool), dtype=torch.float64)
+    scores = mass_of(out.attentions, slice(0, len(prompt)))
+    if policy == "snapkv":  # each block: the largest pooled share any layer's query head voted it
+        votes = [list(row) for a in out.attentions for row in a[0, :, len(prompt) - window :, :].sum(1).double().tolist()]
+        total = sum(map(sum, votes))
+        n = len(prompt)
+        per_block = [max(sum(max_pool(row, pool)[b * bs : (b + 1) * bs]) for row in votes) for b in range(-(-n // bs))]
+        scale = total / sum(per_block)
+        scores = torch.tensor([per_block[t // bs] * scale / bs for t in range(n)], dtype=torch.float64)
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     tokens, kept_after_step = [], []
     for step in range(steps):

@@ -9,6 +9,12 @@ layer.
 Each layer adds, per sequence, the softmax weights of the requested queries summed over every query
 head, into one fp32 vector over that sequence's cached tokens (cache coordinates): summed over layers,
 that is the per-token mass the policies rank blocks by.
+
+SnapKV's prompt votes ask for more (`per_head`): each query head of each layer reports its own row
+(the voters' weights summed over the voters), so the tracker can take, per block, the strongest wish
+of any head. Summed over heads, the few retrieval heads that look at a needle are drowned by the many
+that park their mass on sink-like tokens (measured on the passkey task: the needle's blocks got under
+1% of the summed votes and were never kept at 128 tokens).
 """
 from __future__ import annotations
 
@@ -35,6 +41,9 @@ class AttentionMassRequest:
     # prompt's scores can be rebuilt for a later request that hits these blocks in the prefix cache
     block_size: int = 0  # 0: not needed
     prefill_block_mass: list[torch.Tensor | None] = field(default_factory=list)
+    # snapkv: prefill rows report per layer and query head instead of summed ([layers * heads, context])
+    per_head: bool = False
+    prefill_head_mass: list[list[torch.Tensor] | None] = field(default_factory=list)
 
 
 def accumulate_attention_mass(
@@ -50,6 +59,7 @@ def accumulate_attention_mass(
     if not req.prefill_mass:
         req.prefill_mass = [None] * len(meta.prefills)
         req.prefill_block_mass = [None] * len(meta.prefills)
+        req.prefill_head_mass = [None] * len(meta.prefills)
     bs = req.block_size
     for i, (chunk, rows) in enumerate(zip(meta.prefills, req.prefill_rows)):
         if rows is None:
@@ -58,6 +68,14 @@ def accumulate_attention_mass(
         qc = q[chunk.rows][rows]
         vis = visible[rows]
         length = k.shape[1]
+        if req.per_head:
+            heads = torch.zeros(q.shape[1], length, dtype=torch.float32, device=k.device)
+            for t in range(0, qc.shape[0], QUERY_TILE):
+                tile = slice(t, t + QUERY_TILE)
+                heads += attention_probs(qc[tile][None], k, vis[tile][None], scale, softcap).sum(dim=3).reshape(-1, length)
+            layers = req.prefill_head_mass[i]
+            req.prefill_head_mass[i] = [heads] if layers is None else layers + [heads]
+            continue
         mass = torch.zeros(length, dtype=torch.float32, device=k.device)
         by_block = None
         if bs:  # query rows are cache positions chunk.start + rows.start + r

@@ -44,7 +44,8 @@ class EvictionTracker:
         self.kv = kv
         self.block_size = kv.block_size
         self.scores: dict[str, torch.Tensor] = {}  # request id -> fp32 mass per cached token
-        self.voted: set[str] = set()  # snapkv: requests whose prompt votes were pooled (prompt cut done)
+        self.voted: set[str] = set()  # snapkv: requests whose prompt votes were counted (prompt cut done)
+        self.votes: dict[str, torch.Tensor] = {}  # snapkv: request id -> voters' mass per layer and head [L*H, tokens]
         self.kept: dict[str, list[int]] = {}  # request id -> logical block of each table entry kept at the last cut
         # h2o and prefix caching: the mass each full prompt block's queries gave every key block up to it,
         # by block hash, so a request hitting those blocks rebuilds the same prompt scores without their
@@ -86,7 +87,8 @@ class EvictionTracker:
                 first = max(0, c.request.num_tokens - self.config.snapkv_window - c.start)
             rows.append(slice(first, c.num_tokens) if first < c.num_tokens else None)
         bs = self.block_size if self.config.policy == "h2o" and self.kv.enable_caching else 0
-        return AttentionMassRequest(decodes=bool(decodes), prefill_rows=rows, block_size=bs)
+        return AttentionMassRequest(decodes=bool(decodes), prefill_rows=rows, block_size=bs,
+                                    per_head=self.config.policy == "snapkv")
 
     def collect(
         self, mass: AttentionMassRequest | None, chunks: list[ScheduledChunk], decodes: list[int], prefills: list[int]
@@ -103,6 +105,8 @@ class EvictionTracker:
         for j, i in enumerate(prefills):
             if mass.prefill_mass and mass.prefill_mass[j] is not None:
                 self._add(chunks[i], mass.prefill_mass[j])
+            if mass.prefill_head_mass and mass.prefill_head_mass[j] is not None:
+                self._add_votes(chunks[i], torch.cat(mass.prefill_head_mass[j]))
         if len(self.block_mass) > 2 * self.kv.pool.num_blocks:
             cached = self.kv.pools[0].cached
             self.block_mass = {h: m for h, m in self.block_mass.items() if h in cached}
@@ -137,6 +141,39 @@ class EvictionTracker:
             self.scores[child.request_id] = scores.clone()
             if req.request_id in self.kept:
                 self.kept[child.request_id] = list(self.kept[req.request_id])
+
+    def _add_votes(self, chunk: ScheduledChunk, heads: torch.Tensor) -> None:
+        """SnapKV: add the voters of this chunk, per layer and head (a window split by chunked prefill
+        votes in two parts, summed here before any head's wish is taken)."""
+        req = chunk.request
+        length = chunk.start + chunk.num_tokens - req.num_evicted_tokens
+        votes = self.votes.get(req.request_id)
+        if votes is None or votes.shape[1] < length:
+            grown = torch.zeros(heads.shape[0], length, dtype=torch.float32)
+            if votes is not None:
+                grown[:, : votes.shape[1]] = votes
+            self.votes[req.request_id] = votes = grown
+        votes[:, : heads.shape[1]] += heads.float().cpu()
+        for child in chunk.forks:
+            self.votes[child.request_id] = votes.clone()
+
+    def _vote_scores(self, request_id: str, length: int) -> torch.Tensor:
+        """Per-token scores from SnapKV's votes: each block scores the largest share any layer's query head
+        gave it (after max-pooling that head's votes over `snapkv_pool` tokens), rescaled so the votes
+        carry the voters' total mass (comparable to the H2O mass decode adds later), spread evenly over
+        the block's tokens (only block sums are ever ranked)."""
+        votes = self.votes.pop(request_id)[:, :length]
+        votes = F.pad(votes, (0, length - votes.shape[1]))
+        bs = self.block_size
+        total = float(votes.sum())
+        pool = self.config.snapkv_pool
+        if pool > 1:
+            votes = F.max_pool1d(votes[:, None], pool, stride=1, padding=pool // 2)[:, 0, :length]
+        num_blocks = -(-length // bs)
+        by_block = F.pad(votes, (0, num_blocks * bs - length)).view(votes.shape[0], num_blocks, bs).sum(-1).amax(0)
+        if float(by_block.sum()) > 0:
+            by_block *= total / float(by_block.sum())
+        return (by_block / bs).repeat_interleave(bs)[:length].contiguous()
 
     def _scores_from_hits(self, req: Request, num_hit_blocks: int) -> None:
         """Prompt scores of prefix-cache hits, from their recorded query mass (each block's sum is put on
@@ -174,13 +211,14 @@ class EvictionTracker:
         if cfg.needs_scores:
             scores = self._scores(req.request_id, length)[:length]
             if cfg.policy == "snapkv" and req.request_id not in self.voted:
-                self.voted.add(req.request_id)  # the prompt's window votes, clustered once
-                scores = self.scores[req.request_id] = _max_pool(scores, cfg.snapkv_pool)
+                self.voted.add(req.request_id)  # the prompt's window votes, counted once
+                if req.request_id in self.votes:
+                    scores += self._vote_scores(req.request_id, length)
         budget_blocks = req.kv_budget // bs
         if num_full <= budget_blocks:
             return 0
         block_scores = scores[: num_full * bs].view(num_full, bs).sum(1).tolist() if scores is not None else None
-        keep = blocks_to_keep(cfg.policy, num_full, budget_blocks, cfg.sink_blocks(bs), cfg.recent_blocks(bs),
+        keep = blocks_to_keep(cfg.policy, num_full, budget_blocks, cfg.sink_blocks(bs), cfg.recent_blocks(bs, req.kv_budget),
                               block_scores)
         logical = self.logical_blocks(req)
         evicted = self.kv.compact_blocks(req, keep)
@@ -198,6 +236,7 @@ class EvictionTracker:
         self.scores.pop(request_id, None)
         self.pending.pop(request_id, None)
         self.kept.pop(request_id, None)
+        self.votes.pop(request_id, None)
         self.voted.discard(request_id)
 
     def logical_blocks(self, req: Request) -> list[int]:
@@ -215,11 +254,3 @@ class EvictionTracker:
         bs = self.block_size
         return [p for b in self.logical_blocks(req) for p in range(b * bs, (b + 1) * bs) if p < req.num_computed_tokens]
 
-
-def _max_pool(x: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Stride-1, same-length max pooling (SnapKV clusters votes around each voted token)."""
-    if kernel <= 1 or x.numel() == 0:
-        return x.clone()
-    pad = kernel // 2
-    y = F.max_pool1d(x[None, None], kernel, stride=1, padding=pad, ceil_mode=False)[0, 0]
-    return y[: x.numel()].contiguous()

@@ -15,10 +15,15 @@ block each time a new one fills.
 Which full blocks stay:
 - `streaming` (StreamingLLM): the sink blocks and the most recent blocks.
 - `h2o` (heavy hitters): the sink blocks, the `recent` most recent blocks, and the middle blocks with
-  the largest attention mass accumulated over every query the sequence has computed.
-- `snapkv`: at the end of the prompt, the last `snapkv_window` prompt queries vote (their attention,
-  max-pooled over `snapkv_pool` neighbouring tokens); decode then adds the H2O mass of every new query
-  to those votes and applies the H2O rule.
+  the largest attention mass accumulated over every query the sequence has computed. By default the
+  recent window is half the budget, the split of the H2O paper (10% heavy + 10% recent at 20%); with a
+  fixed 32-token window, summed mass keeps old blocks every later query has seen and step agreement at a
+  20% budget fell to 82% (93.9% with 128 tokens), measured in `kvforge eval kv-evict`.
+- `snapkv`: at the end of the prompt, the last `snapkv_window` prompt queries vote. Each layer's query
+  head votes on its own (its attention, max-pooled over `snapkv_pool` neighbouring tokens); a block
+  scores the largest share any head gave it, so the few heads that retrieve a needle are not outvoted
+  by the many resting on sink-like tokens. Decode then adds the H2O mass of every new query to those
+  votes and applies the H2O rule.
 
 Ties go to the later block (recent context is the safer guess).
 """
@@ -31,6 +36,7 @@ from kvforge.flags import option
 
 EVICTION_POLICIES = ("none", "streaming", "h2o", "snapkv")
 SCORED_POLICIES = ("h2o", "snapkv")
+SNAPKV_RECENT_TOKENS = 32  # snapkv's default recent window once decode applies the H2O rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +52,18 @@ class EvictionConfig:
                               choices=EVICTION_POLICIES)
     kv_budget: int | None = option(None, "KV tokens kept per sequence (whole blocks) with --kv-eviction")
     kv_sink_tokens: int = option(4, "first tokens every eviction policy keeps (attention sinks)")
-    kv_recent_tokens: int = option(32, "most recent tokens h2o and snapkv always keep")
+    kv_recent_tokens: int | None = option(None, "most recent tokens h2o and snapkv always keep (default: half "
+                                          f"the budget for h2o, {SNAPKV_RECENT_TOKENS} for snapkv)")
     snapkv_window: int = option(8, "last prompt queries that vote (snapkv)")
-    snapkv_pool: int = option(7, "max-pool width over the votes (snapkv)")
+    snapkv_pool: int = option(1, "max-pool width over each head's votes (snapkv; 1: none)")
 
     def __post_init__(self) -> None:
         if self.kv_eviction not in EVICTION_POLICIES:
             raise ValueError(f"kv_eviction must be one of {', '.join(EVICTION_POLICIES)}; got {self.kv_eviction!r}")
         for name in ("kv_sink_tokens", "kv_recent_tokens"):
             v = getattr(self, name)
+            if name == "kv_recent_tokens" and v is None:
+                continue
             if not _is_int(v) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         for name in ("snapkv_window", "snapkv_pool"):
@@ -88,7 +97,7 @@ class EvictionConfig:
         return self.kv_sink_tokens
 
     @property
-    def recent_tokens(self) -> int:
+    def recent_tokens(self) -> int | None:
         return self.kv_recent_tokens
 
     @property
@@ -102,8 +111,13 @@ class EvictionConfig:
     def sink_blocks(self, block_size: int) -> int:
         return -(-self.sink_tokens // block_size)
 
-    def recent_blocks(self, block_size: int) -> int:
-        return -(-self.recent_tokens // block_size)
+    def recent_blocks(self, block_size: int, budget: int) -> int:
+        """Blocks of the recent window under a budget of `budget` tokens (a request may set its own)."""
+        if self.recent_tokens is not None:
+            return -(-self.recent_tokens // block_size)
+        if self.policy == "h2o":
+            return max(1, budget // block_size // 2)
+        return -(-SNAPKV_RECENT_TOKENS // block_size)
 
 
 def check_budget(budget: object, cfg: EvictionConfig, block_size: int, field: str) -> int:
@@ -112,7 +126,7 @@ def check_budget(budget: object, cfg: EvictionConfig, block_size: int, field: st
     if not _is_int(budget) or budget < 1:  # type: ignore[operator]
         raise ValueError(f"{field} must be a positive integer (tokens), got {budget!r}")
     blocks = budget // block_size  # type: ignore[operator]
-    need = cfg.sink_blocks(block_size) + max(1, cfg.recent_blocks(block_size) if cfg.policy != "streaming" else 1)
+    need = cfg.sink_blocks(block_size) + max(1, cfg.recent_blocks(block_size, budget) if cfg.policy != "streaming" else 1)  # type: ignore[arg-type]
     if blocks < need:
         raise ValueError(
             f"{field}: {budget} tokens keep {blocks} full blocks of {block_size} tokens, fewer than the "
