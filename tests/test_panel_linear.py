@@ -95,3 +95,37 @@ def test_plain_c_fallback_build(tmp_path, flags):
     assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr[-2000:]
     if flags:
         assert "simd 0" in out.stdout
+
+
+def test_kvforge_linear_panel_packs_fp32_layers_and_the_tied_copy(monkeypatch):
+    from torch import nn
+
+    from kvforge.engine.startup_report import weights_bytes
+    from kvforge.models.linear import Linear, pack_linear_weights
+
+    monkeypatch.setenv("KVFORGE_LINEAR", "panel")
+    torch.manual_seed(4)
+    emb = nn.Embedding(50, 24)
+    tied = Linear(24, 50, bias=False)
+    tied.weight = emb.weight
+    model = nn.ModuleList([emb, Linear(24, 40), tied, Linear(24, 8).to(torch.bfloat16)])
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        before = [model[1](x), tied(x)]
+        size = weights_bytes(model)
+        assert pack_linear_weights(model, copy_shared=True) >= 2
+        assert model[1].panel_weight is not None and tied.panel_weight is not None and tied.packed_copy
+        assert model[3].panel_weight is None  # bf16 stays with oneDNN (or dense)
+        assert model[1].weight.numel() == 0 and tied.weight is emb.weight
+        for a, b in zip(before, [model[1](x), tied(x)]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the tied copy is extra bytes, padded to whole panels of 16 columns (50 -> 64)
+    assert weights_bytes(model) == size + 64 * 24 * 4 + (48 - 40) * 24 * 4
+
+
+def test_kvforge_linear_rejects_unknown_backend(monkeypatch):
+    from kvforge.models.linear import Linear
+
+    monkeypatch.setenv("KVFORGE_LINEAR", "fast")
+    with pytest.raises(ValueError, match="KVFORGE_LINEAR must be one of onednn, panel"):
+        Linear(4, 4).pack()
