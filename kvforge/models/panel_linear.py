@@ -31,8 +31,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_nr.argtypes = []
     lib.kvf_panel_simd.restype = _C
     lib.kvf_panel_simd.argtypes = []
-    lib.kvf_panel_set_prefetch.restype = None
-    lib.kvf_panel_set_prefetch.argtypes = [_I]
 
 
 LIBRARY = NativeLibrary(
