@@ -44,6 +44,7 @@ def test_large_m_crosses_row_blocks():
     torch.manual_seed(2)
     _check(1030, 50, 576, bias=True)  # x rows exceed one L2 block of 54 rows
     _check(300, 70, 4096, bias=False)  # a block holds just MR rows
+    _check(13, 20, 700, bias=True)  # K cut in blocks of 256 with a 188 remainder
 
 
 def test_leading_dims_and_bad_input():
