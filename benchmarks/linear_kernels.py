@@ -13,12 +13,19 @@ rounds, best of each kept (other processes share the cores); GB/s is weight
 bytes / time, the decode bound being the machine's read bandwidth.
 
     python benchmarks/linear_kernels.py
-    python benchmarks/linear_kernels.py --panel --threads 1 2 [--save benchmarks/results/linear_kernels_panel.txt]
+    python benchmarks/linear_kernels.py --panel --threads 1 2 [--save FILE]   # results/linear_kernels.txt, 2nd table
+
+`--decode` measures what it buys end to end: the default model (fp32, one
+stream, 128-token prompt) loaded twice, with KVFORGE_LINEAR=onednn and =panel,
+decode steps timed in turn (best of `--rounds`), per thread count.
+
+    python benchmarks/linear_kernels.py --decode --threads 1 2
 """
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import sys
 import time
 from contextlib import redirect_stdout
@@ -84,7 +91,7 @@ def panel_vs_onednn(threads: list[int]) -> None:
         raise SystemExit(f"panel kernel unavailable: {pl.unavailable_reason()}")
     op, reorder = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
     torch.manual_seed(0)
-    crossover: dict[tuple[int, str], int | None] = {}
+    losses: dict[tuple[int, str], list[int]] = {}
     for t in threads:
         torch.set_num_threads(t)
         print(f"\n{t} thread(s): per call us (GB/s of weights); speed-up = best oneDNN / panel")
@@ -105,18 +112,44 @@ def panel_vs_onednn(threads: list[int]) -> None:
                     "hint1": lambda i: op(x, hint1[i], None, "none", [], ""),
                 }, len(dense), rounds=3 if m <= 64 else 2)
                 speed = min(us["hint32"], us["hint1"]) / us["panel"]
-                if speed < 1 and crossover.get((t, name)) is None:
-                    crossover[(t, name)] = m
+                if speed < 1:
+                    losses.setdefault((t, name), []).append(m)
                 cells = " ".join(f"{us[c]:>9.1f} ({gb / us[c]:>4.1f})" for c in ("panel", "hint32", "hint1"))
                 print(f"{name:<9} {m:>5} {cells} {speed:>8.2f}x {rel:>13.1e}", flush=True)
-    print("\nfirst M where oneDNN beats the panel kernel (none: the panel kernel wins at every M measured):")
+    print("\nrow counts M where oneDNN (either packing) beat the panel kernel:")
     for t in threads:
-        print(f"  {t} thread(s): " + ", ".join(f"{name} {crossover.get((t, name)) or 'none'}" for name in SHAPES))
+        print(f"  {t} thread(s): " + "; ".join(f"{name} {losses.get((t, name)) or 'none'}" for name in SHAPES))
+
+
+def decode_onednn_vs_panel(threads: list[int], tokens: int = 64, rounds: int = 3) -> None:
+    from decode_profile import decode_steps  # benchmarks/ is on sys.path when run as a script
+
+    from kvforge import LLM
+
+    llms = {}
+    for backend in ("onednn", "panel"):
+        os.environ["KVFORGE_LINEAR"] = backend  # read when the engine packs the weights at load
+        llms[backend] = LLM(model=None, dtype="float32", max_model_len=1024, kv_cache_memory="256MiB", log_ledger=False)
+    vocab = llms["panel"].engine.model_config.vocab_size
+    prompt = [(i * 7919) % vocab for i in range(128)]
+    print("single-stream fp32 decode, default model: ms per decode step (best of rounds, interleaved)")
+    for t in threads:
+        torch.set_num_threads(t)
+        best = {b: float("inf") for b in llms}
+        for llm in llms.values():
+            decode_steps(llm, prompt[:16], 4)  # warm-up
+        for _ in range(rounds):
+            for backend, llm in llms.items():
+                seconds, steps = decode_steps(llm, prompt, tokens)
+                best[backend] = min(best[backend], seconds / steps * 1e3)
+        print(f"  {t} thread(s): oneDNN {best['onednn']:.2f} ms, panel {best['panel']:.2f} ms, "
+              f"speed-up {best['onednn'] / best['panel']:.2f}x", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--panel", action="store_true", help="panel kernel vs oneDNN packed (instead of torch vs oneDNN)")
+    parser.add_argument("--decode", action="store_true", help="end to end: default model decode, oneDNN vs panel")
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     parser.add_argument("--save", type=Path, help="also write the output to this file")
     args = parser.parse_args()
@@ -130,7 +163,12 @@ def main() -> None:
             return out.write(s)
 
     with redirect_stdout(Tee()):
-        panel_vs_onednn(args.threads) if args.panel else torch_vs_onednn()
+        if args.decode:
+            decode_onednn_vs_panel(args.threads)
+        elif args.panel:
+            panel_vs_onednn(args.threads)
+        else:
+            torch_vs_onednn()
     if args.save:
         args.save.write_text(out.getvalue())
 
