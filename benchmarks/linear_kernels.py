@@ -1,15 +1,35 @@
-"""fp32 linear layers on this CPU: torch's default BLAS (`F.linear`) vs oneDNN (`kvforge.models.linear`).
+"""fp32 linear layers on this CPU: torch's default BLAS (`F.linear`) vs oneDNN (`kvforge.models.linear`),
+then kvforge's panel kernel (`kvforge.models.panel_linear`, `KVFORGE_LINEAR=panel`) vs oneDNN's packed layouts.
 
 The default model's shapes (SmolLM2-135M: hidden 576, packed qkv 960, packed
 gate/up 3072, down from 1536, vocab 49152). Each layer shape cycles through 30
 weight copies, as a 30-layer model does, so weights come from memory and not
 from cache; rows M = decode batch size (or prefill tokens).
 
+The second table (`--panel`) runs each shape at M in 1..1024 rows for each
+thread count asked: the panel kernel, oneDNN on weights packed for 32 rows
+(what `Linear.pack` uses) and for 1 row. The three are timed in turn, three
+rounds, best of each kept (other processes share the cores); GB/s is weight
+bytes / time, the decode bound being the machine's read bandwidth.
+
     python benchmarks/linear_kernels.py
+    python benchmarks/linear_kernels.py --panel --threads 1 2 [--save FILE]   # results/linear_kernels.txt, 2nd table
+
+`--decode` measures what it buys end to end: the default model (fp32, one
+stream, 128-token prompt) loaded twice, with KVFORGE_LINEAR=onednn and =panel,
+decode steps timed in turn (best of `--rounds`), per thread count.
+
+    python benchmarks/linear_kernels.py --decode --threads 1 2
 """
 from __future__ import annotations
 
+import argparse
+import io
+import os
+import sys
 import time
+from contextlib import redirect_stdout
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +49,7 @@ def per_call_ms(fn, x: torch.Tensor, weights: list[torch.Tensor], reps: int = 3)
     return (time.perf_counter() - start) / (reps * len(weights)) * 1e3
 
 
-def main() -> None:
-    if not ONEDNN_LINEAR:
-        raise SystemExit("oneDNN linear is unavailable here (or KVFORGE_ONEDNN_LINEAR=0): nothing to compare")
+def torch_vs_onednn() -> None:
     torch.manual_seed(0)
     print(f"{'shape':<9} {'M':>4} {'torch ms':>9} {'oneDNN ms':>10} {'speed-up':>9} {'max rel diff':>13}")
     for name, (n, k) in SHAPES.items():
@@ -42,6 +60,117 @@ def main() -> None:
             rel = ((ref - out).abs().max() / ref.abs().max()).item()
             base, fast = per_call_ms(F.linear, x, weights), per_call_ms(linear, x, weights)
             print(f"{name:<9} {m:>4} {base:>9.3f} {fast:>10.3f} {base / fast:>8.2f}x {rel:>13.1e}")
+
+
+PANEL_ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
+
+
+def best_us(fns: dict, items: int, rounds: int = 3, budget_s: float = 0.15) -> dict[str, float]:
+    """Per-call microseconds of each `fns[name](i)` over i in range(items), interleaved, best of `rounds`."""
+    reps = {}
+    for name, fn in fns.items():  # warm up, and size each timed block to ~budget_s
+        start = time.perf_counter()
+        for i in range(items):
+            fn(i)
+        reps[name] = max(1, round(budget_s / max(time.perf_counter() - start, 1e-9)))
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(reps[name]):
+                for i in range(items):
+                    fn(i)
+            best[name] = min(best[name], (time.perf_counter() - start) / (reps[name] * items) * 1e6)
+    return best
+
+
+def panel_vs_onednn(threads: list[int]) -> None:
+    from kvforge.models import panel_linear as pl
+
+    if not pl.available():
+        raise SystemExit(f"panel kernel unavailable: {pl.unavailable_reason()}")
+    op, reorder = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
+    torch.manual_seed(0)
+    losses: dict[tuple[int, str], list[int]] = {}
+    for t in threads:
+        torch.set_num_threads(t)
+        print(f"\n{t} thread(s): per call us (GB/s of weights); speed-up = best oneDNN / panel")
+        print(f"{'shape':<9} {'M':>5} {'panel':>17} {'oneDNN hint32':>17} {'oneDNN hint1':>17} {'speed-up':>9} "
+              f"{'max rel diff':>13}")
+        for name, (n, k) in SHAPES.items():
+            dense = [torch.randn(n, k) for _ in range(1 if name == "lm_head" else 30)]
+            panels = [pl.pack_panels(w) for w in dense]
+            hint32, hint1 = [reorder(w, 32) for w in dense], [reorder(w, 1) for w in dense]
+            gb = n * k * 4 / 1e3  # weight bytes / 1e3: GB/s when divided by microseconds
+            for m in PANEL_ROWS:
+                x = torch.randn(m, k)
+                ref = F.linear(x.double(), dense[0].double())
+                rel = ((pl.panel_linear(x, panels[0]).double() - ref).abs().max() / ref.abs().max()).item()
+                us = best_us({
+                    "panel": lambda i: pl.panel_linear(x, panels[i]),
+                    "hint32": lambda i: op(x, hint32[i], None, "none", [], ""),
+                    "hint1": lambda i: op(x, hint1[i], None, "none", [], ""),
+                }, len(dense), rounds=3 if m <= 64 else 2)
+                speed = min(us["hint32"], us["hint1"]) / us["panel"]
+                if speed < 1:
+                    losses.setdefault((t, name), []).append(m)
+                cells = " ".join(f"{us[c]:>9.1f} ({gb / us[c]:>4.1f})" for c in ("panel", "hint32", "hint1"))
+                print(f"{name:<9} {m:>5} {cells} {speed:>8.2f}x {rel:>13.1e}", flush=True)
+    print("\nrow counts M where oneDNN (either packing) beat the panel kernel:")
+    for t in threads:
+        print(f"  {t} thread(s): " + "; ".join(f"{name} {losses.get((t, name)) or 'none'}" for name in SHAPES))
+
+
+def decode_onednn_vs_panel(threads: list[int], tokens: int = 64, rounds: int = 3) -> None:
+    from decode_profile import decode_steps  # benchmarks/ is on sys.path when run as a script
+
+    from kvforge import LLM
+
+    llms = {}
+    for backend in ("onednn", "panel"):
+        os.environ["KVFORGE_LINEAR"] = backend  # read when the engine packs the weights at load
+        llms[backend] = LLM(model=None, dtype="float32", max_model_len=1024, kv_cache_memory="256MiB", log_ledger=False)
+    vocab = llms["panel"].engine.model_config.vocab_size
+    prompt = [(i * 7919) % vocab for i in range(128)]
+    print("single-stream fp32 decode, default model: ms per decode step (best of rounds, interleaved)")
+    for t in threads:
+        torch.set_num_threads(t)
+        best = {b: float("inf") for b in llms}
+        for llm in llms.values():
+            decode_steps(llm, prompt[:16], 4)  # warm-up
+        for _ in range(rounds):
+            for backend, llm in llms.items():
+                seconds, steps = decode_steps(llm, prompt, tokens)
+                best[backend] = min(best[backend], seconds / steps * 1e3)
+        print(f"  {t} thread(s): oneDNN {best['onednn']:.2f} ms, panel {best['panel']:.2f} ms, "
+              f"speed-up {best['onednn'] / best['panel']:.2f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--panel", action="store_true", help="panel kernel vs oneDNN packed (instead of torch vs oneDNN)")
+    parser.add_argument("--decode", action="store_true", help="end to end: default model decode, oneDNN vs panel")
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--save", type=Path, help="also write the output to this file")
+    args = parser.parse_args()
+    if not ONEDNN_LINEAR:
+        raise SystemExit("oneDNN linear is unavailable here (or KVFORGE_ONEDNN_LINEAR=0): nothing to compare")
+    out = io.StringIO()
+
+    class Tee(io.TextIOBase):
+        def write(self, s: str) -> int:
+            print(s, end="", file=sys.__stdout__, flush=True)
+            return out.write(s)
+
+    with redirect_stdout(Tee()):
+        if args.decode:
+            decode_onednn_vs_panel(args.threads)
+        elif args.panel:
+            panel_vs_onednn(args.threads)
+        else:
+            torch_vs_onednn()
+    if args.save:
+        args.save.write_text(out.getvalue())
 
 
 if __name__ == "__main__":

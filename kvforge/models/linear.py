@@ -19,6 +19,11 @@ extra bytes, counted in the start-up ledger's weights line, for the one matmul
 that runs every step over the whole vocabulary (measured 1.3x (fp32) and 1.6x
 (bf16) faster at 32 rows; `KVFORGE_PACK_SHARED=0` keeps it dense).
 `KVFORGE_ONEDNN_LINEAR=0` turns all of this off.
+
+`KVFORGE_LINEAR=panel` packs fp32 CPU weights (the tied lm_head copy too) for
+kvforge's own kernel instead (`panel_linear.py`: weights streamed at memory
+bandwidth for decode rows); other dtypes still go to oneDNN. The default
+(`onednn`) stays until the benchmarks decide.
 """
 from __future__ import annotations
 
@@ -27,6 +32,10 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvforge.models.panel_linear import PanelWeight, pack_panels, panel_linear
+from kvforge.models.panel_linear import available as panel_kernel_available
+from kvforge.models.panel_linear import unavailable_reason as panel_unavailable_reason
 
 
 def _onednn_linear_available() -> bool:
@@ -67,27 +76,57 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 PACKABLE_DTYPES = _packable_dtypes()
 
 
+LINEAR_BACKENDS = ("onednn", "panel")
+
+
+def linear_backend() -> str:
+    """`KVFORGE_LINEAR`: which packed layout fp32 CPU weights get at load (read when packing)."""
+    backend = os.environ.get("KVFORGE_LINEAR", "onednn").strip().lower() or "onednn"
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"KVFORGE_LINEAR must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
+    return backend
+
+
+def _pack_panel(w: torch.Tensor) -> PanelWeight | None:
+    if w.dtype != torch.float32 or w.device.type != "cpu" or linear_backend() != "panel":
+        return None
+    if not panel_kernel_available():
+        raise RuntimeError(f"KVFORGE_LINEAR=panel but the panel kernel is unavailable: {panel_unavailable_reason()}")
+    return pack_panels(w.detach())
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict until packed) routed through `linear`."""
 
     packed_weight: torch.Tensor | None = None
+    panel_weight: PanelWeight | None = None  # set when packed for the panel kernel (packed_weight is its tensor)
     packed_nbytes = 0  # bytes held outside parameters(): the packed weight, or the packed copy
     packed_copy = False  # True: the dense weight stays (shared), packed_nbytes are extra bytes
     keep_dense = False  # set by models that read this weight directly (e.g. MLA absorption)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panel_weight is not None:
+            return panel_linear(x, self.panel_weight, self.bias)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
 
     def pack(self, batch_hint: int = PACK_BATCH_HINT, keep_dense_copy: bool = False) -> bool:
-        """Replace the dense weight by oneDNN's packed layout (inference only), or with
+        """Replace the dense weight by oneDNN's packed layout (or, with KVFORGE_LINEAR=panel, fp32 weights by
+        the panel kernel's; inference only), or with
         `keep_dense_copy` add the packed layout beside it; False if not applicable."""
         w = self.weight
-        if self.keep_dense or not ONEDNN_LINEAR or w.device.type != "cpu" or w.dtype not in PACKABLE_DTYPES:
+        if self.keep_dense or w.device.type != "cpu":
             return False
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        self.packed_nbytes = w.numel() * w.element_size()
+        self.panel_weight = _pack_panel(w)
+        if self.panel_weight is not None:
+            self.packed_weight = self.panel_weight.packed
+        elif ONEDNN_LINEAR and w.dtype in PACKABLE_DTYPES:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        else:
+            return False
+        # the panel layout pads N up to whole panels: count what it holds
+        self.packed_nbytes = self.panel_weight.nbytes if self.panel_weight is not None else w.numel() * w.element_size()
         self.packed_copy = keep_dense_copy
         if not keep_dense_copy:
             self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # dense copy released

@@ -1,0 +1,194 @@
+/* fp32 y[M,N] = x[M,K] @ W^T (+ bias) on weights packed in column panels (kvforge/models/panel_linear.py).
+ *
+ * Why a panel layout: a decode step (M = 1..a few rows) is bound by reading W once from memory. With W
+ * stored as panels of NR output columns, each panel [K][NR] contiguous, one thread reads its whole share of
+ * W as a single sequential stream (one 64-byte cache line per k for NR = 16), which the hardware prefetcher
+ * follows at full bandwidth, and every loaded weight is used by all M rows at once. For larger M the same
+ * panel is reused from L1/L2 by a register-blocked MR x NR microkernel over blocks of rows, so W still comes
+ * from memory once per call while x blocks sit in L2.
+ *
+ * Threads split the panels statically (each thread owns a contiguous range: one stream, no sharing of
+ * output cache lines except at the range edges). N is padded up to a multiple of NR with zero columns in the
+ * packed weight; only the first N columns are written. Any M >= 1, any K >= 1. x and y are contiguous.
+ *
+ * AVX2 + FMA intrinsics where the compiler targets them; otherwise a plain-C loop with the same order of
+ * k-accumulation per column (results equal within fp32 rounding: FMA rounds once per step, mul+add twice).
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVF_SIMD 1
+#else
+#define KVF_SIMD 0
+#endif
+
+#define NR 16 /* output columns per panel: two 8-float AVX2 registers */
+#define MR 6  /* rows per GEMM microkernel tile: 12 accumulators + 2 weight + 1 broadcast registers */
+
+int kvf_panel_nr(void) { return NR; }
+int kvf_panel_simd(void) { return KVF_SIMD; }
+
+/* Software prefetch distance in cache lines (= k steps) ahead of the weight stream, used on the first tile
+ * over each panel (the one reading it from memory) when M >= 2. Measured (benchmarks/linear_kernels.py,
+ * 1 thread): 10-25% faster at M = 2..8, where the FMA chains per line fill the out-of-order window and the
+ * core runs fewer misses ahead; at M = 1 the hardware prefetcher alone was as fast or faster. */
+#define PREFETCH_LINES 32
+
+#if KVF_SIMD
+/* Decode rows (mr <= 3): two independent accumulator sets over even/odd k hide the FMA latency; the
+ * weight stream is the bottleneck here, prefetched `pf` floats ahead when pf != 0. */
+static inline __attribute__((always_inline)) void tile_gemv(const float *x, int64_t ldx, int64_t K, const float *w, int mr,
+                                                            float *tile, int64_t pf) {
+    __m256 c0[3], c1[3], d0[3], d1[3];
+    for (int r = 0; r < 3; r++) c0[r] = c1[r] = d0[r] = d1[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+        const float *wk = w + k * NR;
+        if (pf) {
+            _mm_prefetch((const char *)(wk + pf), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wk + pf + NR), _MM_HINT_T0);
+        }
+        __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        __m256 v0 = _mm256_loadu_ps(wk + NR), v1 = _mm256_loadu_ps(wk + NR + 8);
+#pragma GCC unroll 3
+        for (int r = 0; r < mr; r++) {
+            __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+            __m256 b = _mm256_broadcast_ss(x + r * ldx + k + 1);
+            c0[r] = _mm256_fmadd_ps(a, w0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(a, w1, c1[r]);
+            d0[r] = _mm256_fmadd_ps(b, v0, d0[r]);
+            d1[r] = _mm256_fmadd_ps(b, v1, d1[r]);
+        }
+    }
+    for (; k < K; k++) {
+        __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + k * NR + 8);
+#pragma GCC unroll 3
+        for (int r = 0; r < mr; r++) {
+            __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+            c0[r] = _mm256_fmadd_ps(a, w0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(a, w1, c1[r]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < mr; r++) {
+        _mm256_storeu_ps(tile + r * NR, _mm256_add_ps(c0[r], d0[r]));
+        _mm256_storeu_ps(tile + r * NR + 8, _mm256_add_ps(c1[r], d1[r]));
+    }
+}
+
+/* GEMM rows (mr = 4..6): mr x 16 accumulators, the panel's k-th line reused by all rows. */
+static inline __attribute__((always_inline)) void tile_gemm(const float *x, int64_t ldx, int64_t K, const float *w, int mr,
+                                                            float *tile, int64_t pf) {
+    __m256 c0[MR], c1[MR];
+    for (int r = 0; r < MR; r++) c0[r] = c1[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (pf) _mm_prefetch((const char *)(w + k * NR + pf), _MM_HINT_T0);
+        __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + k * NR + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < mr; r++) {
+            __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+            c0[r] = _mm256_fmadd_ps(a, w0, c0[r]);
+            c1[r] = _mm256_fmadd_ps(a, w1, c1[r]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < mr; r++) {
+        _mm256_storeu_ps(tile + r * NR, c0[r]);
+        _mm256_storeu_ps(tile + r * NR + 8, c1[r]);
+    }
+}
+
+static void tile(const float *x, int64_t ldx, int64_t K, const float *w, int mr, float *out, int64_t pf) {
+    /* one specialised copy per row count, so the accumulators stay in registers */
+    switch (mr) {
+    case 1: tile_gemv(x, ldx, K, w, 1, out, pf); break;
+    case 2: tile_gemv(x, ldx, K, w, 2, out, pf); break;
+    case 3: tile_gemv(x, ldx, K, w, 3, out, pf); break;
+    case 4: tile_gemm(x, ldx, K, w, 4, out, pf); break;
+    case 5: tile_gemm(x, ldx, K, w, 5, out, pf); break;
+    default: tile_gemm(x, ldx, K, w, 6, out, pf); break;
+    }
+}
+#else
+static void tile(const float *x, int64_t ldx, int64_t K, const float *w, int mr, float *out, int64_t pf) {
+    (void)pf;
+    float acc[MR][NR];
+    memset(acc, 0, sizeof acc);
+    for (int64_t k = 0; k < K; k++) {
+        const float *wk = w + k * NR;
+        for (int r = 0; r < mr; r++) {
+            const float a = x[r * ldx + k];
+            for (int j = 0; j < NR; j++) acc[r][j] += a * wk[j];
+        }
+    }
+    for (int r = 0; r < mr; r++) memcpy(out + r * NR, acc[r], sizeof acc[r]);
+}
+#endif
+
+/* Write a tile's first N - n0 columns to y (+ bias), or with `accumulate` add it (a later block of K). */
+static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0, const float *bias, int accumulate) {
+    const int64_t nv = N - n0 < NR ? N - n0 : NR;
+    for (int r = 0; r < mr; r++) {
+        float *yr = y + r * N + n0;
+        const float *t = tile_out + r * NR;
+        if (accumulate)
+            for (int64_t j = 0; j < nv; j++) yr[j] += t[j];
+        else if (bias)
+            for (int64_t j = 0; j < nv; j++) yr[j] = t[j] + bias[n0 + j];
+        else
+            memcpy(yr, t, (size_t)nv * sizeof(float));
+    }
+}
+
+/* Cache budgets that set the blocking: a chunk of panels sized to stay in L2 while a block of x rows
+ * (also L2-sized) runs over it, so for large M each weight is read from memory once and x from L2. When
+ * several row tiles share a panel, K is cut in blocks of KC so the [KC][NR] slice of the panel (16 KiB)
+ * stays in L1 while all tiles of the row block use it. */
+#define L2_PANEL_BYTES (192 * 1024)
+#define L2_X_BYTES (128 * 1024)
+#define KC 256
+
+void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
+                      float *y, int nthreads) {
+    const int64_t P = (N + NR - 1) / NR;
+    const int64_t panel_floats = K * NR;
+    int64_t chunk = L2_PANEL_BYTES / (panel_floats * (int64_t)sizeof(float));
+    if (chunk < 1) chunk = 1;
+    const int64_t kc = M > MR && K > KC ? KC : K;
+    int64_t mc = L2_X_BYTES / (kc * (int64_t)sizeof(float));
+    mc = mc < MR ? MR : mc - mc % MR;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > P) nthreads = (int)P;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+        const int64_t tid = 0, nth = 1;
+#endif
+        const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
+        float out[MR * NR];
+        for (int64_t pc = p0; pc < p1; pc += chunk) {
+            const int64_t pe = pc + chunk < p1 ? pc + chunk : p1;
+            for (int64_t m0 = 0; m0 < M; m0 += mc) {
+                const int64_t me = m0 + mc < M ? m0 + mc : M;
+                for (int64_t k0 = 0; k0 < K; k0 += kc) {
+                    const int64_t kn = k0 + kc < K ? kc : K - k0;
+                    for (int64_t p = pc; p < pe; p++) {
+                        const float *w = wp + p * panel_floats + k0 * NR;
+                        for (int64_t i = m0; i < me; i += MR) {
+                            const int mr = (int)(me - i < MR ? me - i : MR);
+                            /* the first tile over a panel reads it from memory: prefetch ahead there only */
+                            tile(x + i * K + k0, K, kn, w, mr, out, M >= 2 && i == 0 ? PREFETCH_LINES * NR : 0);
+                            store(out, mr, y + i * N, N, p * NR, bias, k0 > 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
