@@ -54,7 +54,8 @@ def test_fp32_cpu_inference_goes_to_onednn(monkeypatch):
     assert calls == [torch.float32]
 
 
-def test_packing_keeps_results_and_bytes_and_skips_shared_weights():
+def test_packing_keeps_results_and_bytes_and_skips_shared_weights(monkeypatch):
+    monkeypatch.setenv("KVFORGE_LINEAR", "onednn")  # oneDNN's layout: same bytes as the dense weight
     from kvforge.engine.startup_report import weights_bytes
     from kvforge.models.linear import pack_linear_weights
 
@@ -80,7 +81,8 @@ def test_packing_keeps_results_and_bytes_and_skips_shared_weights():
     assert model[1].weight.numel() == 0 and model[3].weight.numel() == 16 * 8 and tied.weight.numel() == 50 * 16
 
 
-def test_a_shared_weight_gets_a_packed_copy_counted_as_extra_bytes():
+def test_a_shared_weight_gets_a_packed_copy_counted_as_extra_bytes(monkeypatch):
+    monkeypatch.setenv("KVFORGE_LINEAR", "onednn")  # oneDNN's layout: same bytes as the dense weight
     from kvforge.engine.startup_report import weights_bytes
     from kvforge.models.linear import pack_linear_weights
 

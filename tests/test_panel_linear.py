@@ -128,5 +128,23 @@ def test_kvforge_linear_rejects_unknown_backend(monkeypatch):
     from kvforge.models.linear import Linear
 
     monkeypatch.setenv("KVFORGE_LINEAR", "fast")
-    with pytest.raises(ValueError, match="KVFORGE_LINEAR must be one of onednn, panel"):
+    with pytest.raises(ValueError, match="KVFORGE_LINEAR must be one of auto, onednn, panel"):
         Linear(4, 4).pack()
+
+
+def test_auto_takes_the_panel_kernel_only_without_avx512(monkeypatch):
+    """auto: panel where its AVX2+FMA path is built and the CPU has no AVX-512; oneDNN on AVX-512 CPUs."""
+    from kvforge.models import linear
+
+    monkeypatch.delenv("KVFORGE_LINEAR", raising=False)
+    monkeypatch.setattr(linear, "panel_kernel_available", lambda: True)
+    monkeypatch.setattr(linear, "panel_kernel_simd", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert linear.linear_backend() == "panel"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert linear.linear_backend() == "onednn"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(linear, "panel_kernel_simd", lambda: False)  # plain-C build: oneDNN is faster
+    assert linear.linear_backend() == "onednn"
+    monkeypatch.setenv("KVFORGE_LINEAR", "panel")
+    assert linear.linear_backend() == "panel"

@@ -172,4 +172,7 @@ def _describe_linear(model: torch.nn.Module) -> str:
     extra = sum(m.packed_nbytes for m in copies)
     what = "a shared weight (tied lm_head)" if len(copies) == 1 else f"{len(copies)} shared weights"
     note = f", +{extra / 2**20:.1f} MiB for a packed copy of {what}" if copies else ""
-    return f"oneDNN, {len(packed)} weights packed at load{note}"
+    panel = sum(getattr(m, "panel_weight", None) is not None for m in packed)
+    kind = ("kvforge panel kernel (KVFORGE_LINEAR)" if panel == len(packed)
+            else f"{panel} for the kvforge panel kernel, the rest oneDNN" if panel else "oneDNN")
+    return f"{kind}, {len(packed)} weights packed at load{note}"

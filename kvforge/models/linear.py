@@ -20,10 +20,14 @@ that runs every step over the whole vocabulary (measured 1.3x (fp32) and 1.6x
 (bf16) faster at 32 rows; `KVFORGE_PACK_SHARED=0` keeps it dense).
 `KVFORGE_ONEDNN_LINEAR=0` turns all of this off.
 
-`KVFORGE_LINEAR=panel` packs fp32 CPU weights (the tied lm_head copy too) for
-kvforge's own kernel instead (`panel_linear.py`: weights streamed at memory
-bandwidth for decode rows); other dtypes still go to oneDNN. The default
-(`onednn`) stays until the benchmarks decide.
+`KVFORGE_LINEAR` picks the layout fp32 CPU weights are packed in (the tied
+lm_head copy too): `panel` is kvforge's own kernel (`panel_linear.py`: weights
+streamed at memory bandwidth for decode rows, a register-blocked tile for
+many rows), `onednn` the above. `auto` (the default) takes `panel` where its
+AVX2+FMA path is built and the CPU has no AVX-512: measured on such a CPU (AMD
+EPYC, AVX2), single-stream decode 1.58x faster, and from 64 rows up the two
+are even (`benchmarks/linear_kernels.py`). On AVX-512 CPUs oneDNN's wider
+kernels stay, unmeasured against the panel kernel. Other dtypes go to oneDNN.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from torch import nn
 
 from kvforge.models.panel_linear import PanelWeight, pack_panels, panel_linear
 from kvforge.models.panel_linear import available as panel_kernel_available
+from kvforge.models.panel_linear import simd as panel_kernel_simd
 from kvforge.models.panel_linear import unavailable_reason as panel_unavailable_reason
 
 
@@ -76,15 +81,23 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 PACKABLE_DTYPES = _packable_dtypes()
 
 
-LINEAR_BACKENDS = ("onednn", "panel")
+LINEAR_BACKENDS = ("auto", "onednn", "panel")
 
 
 def linear_backend() -> str:
-    """`KVFORGE_LINEAR`: which packed layout fp32 CPU weights get at load (read when packing)."""
-    backend = os.environ.get("KVFORGE_LINEAR", "onednn").strip().lower() or "onednn"
+    """`KVFORGE_LINEAR` resolved: which packed layout fp32 CPU weights get at load (read when packing)."""
+    backend = os.environ.get("KVFORGE_LINEAR", "auto").strip().lower() or "auto"
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"KVFORGE_LINEAR must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "panel" if _panel_preferred() else "onednn"
     return backend
+
+
+def _panel_preferred() -> bool:
+    """auto: the panel kernel's SIMD path is built, and the CPU has no AVX-512 (where it was measured ahead)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "AVX512" not in capability and panel_kernel_available() and panel_kernel_simd()
 
 
 def _pack_panel(w: torch.Tensor) -> PanelWeight | None:

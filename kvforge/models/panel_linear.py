@@ -42,6 +42,12 @@ def available() -> bool:
     return LIBRARY.load() is not None
 
 
+def simd() -> bool:
+    """True when the library was built with its AVX2+FMA path (not the plain-C fallback)."""
+    lib = LIBRARY.load()
+    return lib is not None and bool(lib.kvf_panel_simd())
+
+
 def unavailable_reason() -> str | None:
     LIBRARY.load()
     return LIBRARY.error
