@@ -393,6 +393,9 @@ static inline void unpermute_d64(float *a) {
 }
 #endif
 
+#endif
+
+/* G (1..8) as a compile-time constant: the per-head loops of the vector paths unroll. */
 #define KVF_DISPATCH_G(G, CALL) \
     switch (G) {                \
     case 1: CALL(1); break;     \
@@ -404,6 +407,167 @@ static inline void unpermute_d64(float *a) {
     case 7: CALL(7); break;     \
     default: CALL(8); break;    \
     }
+
+/* ---- the AVX2 + FMA path (CPUs without AVX-512, and compressed operands on CPUs with it) ----------
+ * Head size 64, at most 8 query heads per KV head, any compute dtype, and every storage format:
+ * fp32/bf16/fp16 rows and fp8/int8/int4 codes with any scale granularity. The portable loops spend
+ * their time on a horizontal sum per key row and query head, on accumulators kept in memory and on
+ * decoding each compressed row into a scratch row before using it; here
+ * - 8 codes become 8 floats in registers (int8: sign-extend + convert; e5m2: the top byte of a half,
+ *   converted by F16C; e4m3: its bits moved into a half, which is the value / 256; int4: a variable
+ *   shift of the row's 32-bit word per lane);
+ * - with fp32 compute and one scale per row (token, head, tensor), the scale multiplies the row's
+ *   score (K) or its probability (V) once instead of its 64 elements: the same products in another
+ *   order, so results differ from the portable loops by fp32 rounding only. Per-channel scales, and
+ *   16-bit compute (where the dequantized element is rounded to the compute dtype as the reference's
+ *   `.to(dtype)` rounds it), scale element by element, exactly as `kv_row` does;
+ * - scores: 8 key rows at once, 2 partial sums per (row, query head), one 8-way transpose-reduction
+ *   per query head at the end (no per-row horizontal sums);
+ * - values: up to 16 rows decoded once into an L1 scratch (fp32 rows are read in place), then each
+ *   query head walks them with its 64 accumulators in 8 registers. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVF_HAVE_AVX2 1
+
+/* True when the AVX2 path decodes this operand (head size 64 checked by the caller). */
+static int avx2_reads(const kvf_kv *op) {
+    if (op->code < KVF_E4M3) return op->gran == KVF_SCALE_NONE;
+    return op->code <= KVF_INT4 && op->gran != KVF_SCALE_NONE;
+}
+
+/* Elements 8c .. 8c + 7 of a row of storage `code` as fp32, unscaled (e4m3: the value / 256). */
+static inline __attribute__((always_inline)) __m256 load8(const char *p, int c, int code) {
+    switch (code) {
+    case KVF_F32:
+        return _mm256_loadu_ps((const float *)p + 8 * c);
+    case KVF_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p + c)), 16));
+    case KVF_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + c));
+    case KVF_E4M3: { /* s eeee mmm -> half s 0eeee mmm0000000: same bits, exponent bias 15 instead of 7 */
+        const __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8 * c))), 7);
+        return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xBF80)));
+    }
+    case KVF_E5M2:
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8 * c))), 8));
+    case KVF_INT8:
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * c))));
+    default: { /* KVF_INT4: element k of these 8 is bits 4k .. 4k + 3 of the little-endian word */
+        int32_t w;
+        memcpy(&w, p + 4 * c, 4);
+        const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                             _mm256_set1_epi32(15));
+        return _mm256_cvtepi32_ps(_mm256_sub_epi32(nib, _mm256_set1_epi32(8)));
+    }
+    }
+}
+
+/* fp32 rounded to the compute dtype (bf16 nearest even as torch does, or fp16), as `round_row`. */
+static inline __attribute__((always_inline)) __m256 round8(__m256 x, int compute) {
+    if (compute == KVF_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* Row `slot`, head h of op as 8 vectors x[0..7]. Returns the factor the caller still owes the row
+ * (its scale, with fp32 compute and one scale per row), else 1 with the scale already applied. */
+static inline __attribute__((always_inline)) float row64(const kvf_kv *op, int64_t slot, int64_t h, int64_t BS,
+                                                         int compute, __m256 *x) {
+    const char *p = op->data + slot * op->row_bytes + h * op->head_bytes;
+    for (int c = 0; c < 8; c++) x[c] = load8(p, c, op->code);
+    float s = op->code == KVF_E4M3 ? 256.f : 1.f; /* exact: a power of two */
+    if (op->gran == KVF_SCALE_CHANNEL) {
+        const float *cs = op->scale + ((slot / BS) * op->heads + h) * 64;
+        for (int c = 0; c < 8; c++) x[c] = _mm256_mul_ps(_mm256_mul_ps(x[c], _mm256_set1_ps(s)), _mm256_loadu_ps(cs + 8 * c));
+    } else {
+        if (op->gran != KVF_SCALE_NONE)
+            s *= op->gran == KVF_SCALE_TENSOR ? op->scale[0]
+                 : op->gran == KVF_SCALE_TOKEN ? op->scale[slot] : op->scale[slot * op->heads + h];
+        if (compute == KVF_F32) return s;
+        if (s != 1.f)
+            for (int c = 0; c < 8; c++) x[c] = _mm256_mul_ps(x[c], _mm256_set1_ps(s));
+    }
+    if (compute != KVF_F32 && compute != op->code)
+        for (int c = 0; c < 8; c++) x[c] = round8(x[c], compute);
+    return 1.f;
+}
+
+/* Eight 8-lane partial sums in, one vector of their eight totals out (lane r = sum of v[r]). */
+static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* 128-bit halves: dims 0-3, 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Scores of rows [i0, i0 + cnt) (cnt <= 8) of KV head h against its G query heads (fp32 q in qf,
+ * 64 a head) into st[g * n + i]. G is a compile-time constant at every call site. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const float *qf, const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h, int64_t BS,
+    int compute, float *st, const int G) {
+    __m256 part[8 * 8];
+    float f[8] __attribute__((aligned(32)));
+    for (int r = 0; r < 8; r++) {
+        if (r >= cnt) {
+            f[r] = 0.f;
+            for (int g = 0; g < G; g++) part[g * 8 + r] = _mm256_setzero_ps();
+            continue;
+        }
+        __m256 k[8];
+        f[r] = row64(K, slots[i0 + r], h, BS, compute, k);
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + g * 64;
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]);
+            __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), k[1]);
+            for (int c = 2; c < 8; c += 2) {
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), k[c], a);
+                b = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c + 8), k[c + 1], b);
+            }
+            part[g * 8 + r] = _mm256_add_ps(a, b);
+        }
+    }
+    const __m256 fv = _mm256_load_ps(f);
+    for (int g = 0; g < G; g++) {
+        float s[8];
+        _mm256_storeu_ps(s, _mm256_mul_ps(reduce8(part + g * 8), fv));
+        memcpy(st + g * n + i0, s, sizeof(float) * (size_t)cnt);
+    }
+}
+
+/* acc[g] += sum over rows [i0, i0 + cnt) (cnt <= 16) of p[g * n + i] * v_i for KV head h: each row
+ * decoded once into vbuf (16 x 64 floats) unless it is fp32 read in place, then each query head's
+ * 64 accumulators stay in 8 registers across the rows. */
+static inline __attribute__((always_inline)) void values_avx2(
+    const float *p, const kvf_kv *V, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h, int64_t BS,
+    int compute, float *vbuf, float *acc_mem, const int G) {
+    const float *rows[16];
+    float f[16];
+    for (int r = 0; r < cnt; r++) {
+        const int64_t slot = slots[i0 + r];
+        if (V->code == KVF_F32 && compute == KVF_F32) {
+            rows[r] = (const float *)(V->data + slot * V->row_bytes + h * V->head_bytes);
+            f[r] = 1.f;
+            continue;
+        }
+        __m256 x[8];
+        f[r] = row64(V, slot, h, BS, compute, x);
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(vbuf + r * 64 + 8 * c, x[c]);
+        rows[r] = vbuf + r * 64;
+    }
+    for (int g = 0; g < G; g++) {
+        __m256 a[8];
+        float *am = acc_mem + g * 64;
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(am + 8 * c);
+        const float *pg = p + g * n + i0;
+        for (int r = 0; r < cnt; r++) {
+            const __m256 w = _mm256_set1_ps(pg[r] * f[r]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows[r] + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(am + 8 * c, a[c]);
+    }
+}
 #endif
 
 /* Insertion sort of sequence indices by decreasing length: B is a batch size, and the usual input
@@ -467,7 +631,8 @@ int kvf_paged_decode(
         float *row = malloc(sizeof(float) * (D > DV ? D : DV));
         int64_t *slots = malloc(sizeof(int64_t) * n_max);
         uint16_t *pb16 = malloc(sizeof(uint16_t) * heads_per_item * G * (n_max + 2));
-        const int ok = qf && scores && acc && row && slots && pb16;
+        float *vbuf = malloc(sizeof(float) * 16 * 64); /* the AVX2 V pass's decoded rows */
+        const int ok = qf && scores && acc && row && slots && pb16 && vbuf;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -495,6 +660,14 @@ int kvf_paged_decode(
 #else
             const int fast = 0;
 #endif
+            /* What AVX-512 does not take (everything without it; compressed operands with it), AVX2
+             * does at head size 64, K and V each as its storage allows. */
+#ifdef KVF_HAVE_AVX2
+            const int avx2 = !fast && D == 64 && DV == 64 && G <= 8;
+            const int fast_k = avx2 && avx2_reads(K), fast_v = avx2 && avx2_reads(V);
+#else
+            const int fast_k = 0, fast_v = 0;
+#endif
             if (fast) {
 #ifdef KVF_HAVE_AVX512
                 /* Block by block: a block's rows (all the item's KV heads) are fetched from memory
@@ -508,6 +681,19 @@ int kvf_paged_decode(
                         const char *qp = (const char *)q + ((b * H + (kv0 + j) * G) * D) * esz;
                         const size_t off = (size_t)(kv0 + j) * D * esz;
 #define KVF_SCORES(GC) scores_d64(qp, (const char *)k_cache, slots, i0, cnt, n, k_row, off, dtype_code, scores + (j * G) * n, GC)
+                        KVF_DISPATCH_G(G, KVF_SCORES)
+#undef KVF_SCORES
+                    }
+                }
+#endif
+            } else if (fast_k) {
+#ifdef KVF_HAVE_AVX2
+                prefetch_rows((const char *)k_cache, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, k_row);
+                for (int64_t i0 = 0; i0 < n; i0 += 8) {
+                    const int cnt = n - i0 < 8 ? (int)(n - i0) : 8;
+                    if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows((const char *)k_cache, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 8 ? n - i0 - KVF_PREFETCH_ROWS : 8, k_row);
+                    for (int64_t j = 0; j < heads_per_item; j++) {
+#define KVF_SCORES(GC) scores_avx2(qf + j * G * 64, K, slots, i0, cnt, n, kv0 + j, BS, dtype_code, scores + (j * G) * n, GC)
                         KVF_DISPATCH_G(G, KVF_SCORES)
 #undef KVF_SCORES
                     }
@@ -529,7 +715,7 @@ int kvf_paged_decode(
                     }
                 }
             }
-            if (fast) prefetch_rows((const char *)v_cache, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, v_row);
+            if (fast || fast_v) prefetch_rows((const char *)v_cache, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, v_row);
             /* Softmax per head in fp32 (vectorised exp); scale and soft-cap applied here. */
             for (int64_t h = 0; h < NH; h++) {
                 float *sg = scores + h * n;
@@ -586,6 +772,19 @@ int kvf_paged_decode(
                     for (int64_t h = 0; h < NH; h++) unpermute_d64(acc + h * DV);
 #endif
 #endif
+            } else if (fast_v) {
+#ifdef KVF_HAVE_AVX2
+                memset(acc, 0, sizeof(float) * NH * DV);
+                for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                    const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+                    if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows((const char *)v_cache, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
+                    for (int64_t j = 0; j < heads_per_item; j++) {
+#define KVF_VALUES(GC) values_avx2(scores + (j * G) * n, V, slots, i0, cnt, n, kv0 + j, BS, dtype_code, vbuf, acc + (j * G) * DV, GC)
+                        KVF_DISPATCH_G(G, KVF_VALUES)
+#undef KVF_VALUES
+                    }
+                }
+#endif
             } else {
                 /* Pass 2: weighted sum of V; each value row is read once for all query heads of its group. */
                 memset(acc, 0, sizeof(float) * NH * DV);
@@ -613,6 +812,7 @@ int kvf_paged_decode(
         free(row);
         free(slots);
         free(pb16);
+        free(vbuf);
 #ifdef KVF_HAVE_MXCSR
         _mm_setcsr(saved_csr);
 #endif
