@@ -20,7 +20,9 @@
  * or fp32 rows of another dtype than the compute dtype. Each row is decoded into fp32 registers
  * (code * scale in fp32, then rounded to the compute dtype when that is 16-bit, exactly as
  * `kvforge.kv.quant.dequantize(...).to(dtype)` does), so greedy output is the reference's; no copy of
- * the cache is made. Such operands take the portable loops (the AVX-512 paths read dense rows).
+ * the cache is made. At head size 64 such operands take the AVX2 path below (the AVX-512 paths read
+ * dense rows), which is also what CPUs without AVX-512 run for 16-bit rows; other shapes, and fp32
+ * rows with fp32 compute on those CPUs, take the portable loops.
  * K and V may alias one tensor with different widths: the MLA latent cache (K = [c_kv, k_rope],
  * V = c_kv) is one operand pair over one pool.
  *
