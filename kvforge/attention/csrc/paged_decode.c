@@ -20,7 +20,9 @@
  * or fp32 rows of another dtype than the compute dtype. Each row is decoded into fp32 registers
  * (code * scale in fp32, then rounded to the compute dtype when that is 16-bit, exactly as
  * `kvforge.kv.quant.dequantize(...).to(dtype)` does), so greedy output is the reference's; no copy of
- * the cache is made. Such operands take the portable loops (the AVX-512 paths read dense rows).
+ * the cache is made. At head size 64 such operands take the AVX2 path below (the AVX-512 paths read
+ * dense rows), which is also what CPUs without AVX-512 run for 16-bit rows; other shapes, and fp32
+ * rows with fp32 compute on those CPUs, take the portable loops.
  * K and V may alias one tensor with different widths: the MLA latent cache (K = [c_kv, k_rope],
  * V = c_kv) is one operand pair over one pool.
  *
@@ -393,6 +395,9 @@ static inline void unpermute_d64(float *a) {
 }
 #endif
 
+#endif
+
+/* G (1..8) as a compile-time constant: the per-head loops of the vector paths unroll. */
 #define KVF_DISPATCH_G(G, CALL) \
     switch (G) {                \
     case 1: CALL(1); break;     \
@@ -404,6 +409,195 @@ static inline void unpermute_d64(float *a) {
     case 7: CALL(7); break;     \
     default: CALL(8); break;    \
     }
+
+/* ---- the AVX2 + FMA path (CPUs without AVX-512, and compressed operands on CPUs with it) ----------
+ * Head size 64, at most 8 query heads per KV head, any compute dtype; K and V each taken when its
+ * storage needs decoding: fp8/int8/int4 codes with any scale granularity, or 16/32-bit rows of
+ * another dtype than the compute dtype, or 16-bit rows (fp32 rows in fp32 keep the portable loops,
+ * see `avx2_reads`). The portable loops spent their time on a scalar decode of each row into a
+ * scratch row per KV head, and a horizontal sum per key row and query head; here
+ * - 8 codes become 8 floats in registers (int8: sign-extend + convert; e5m2: the top byte of a half,
+ *   converted by F16C; e4m3: its bits moved into a half, which is the value / 256; int4: a variable
+ *   shift of the row's 32-bit word per lane), one switch on the format per 16 rows;
+ * - with fp32 compute and one scale per row (token, head, tensor), the scale multiplies the row's
+ *   score (K) or its probability (V) once instead of its 64 elements: the same products in another
+ *   order, so results differ from the portable loops by fp32 rounding only. Per-channel scales, and
+ *   16-bit compute (where the dequantized element is rounded to the compute dtype as the reference's
+ *   `.to(dtype)` rounds it), scale element by element, exactly as `kv_row` does;
+ * - 16 rows (all the item's KV heads) are decoded in pool order into an L1 scratch, then
+ *   scores: 8 rows at a time, 2 partial sums per (row, query head), one 8-way transpose-reduction
+ *   per query head (no per-row horizontal sums); values: each query head walks the rows with its 64
+ *   accumulators in 8 registers. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVF_HAVE_AVX2 1
+#ifndef KVF_AVX2_PREFETCH_ROWS
+/* Rows ahead that the decode loop prefetches (into L2), one row's lines per row decoded: spread like
+ * this it kept pace with the portable loops on bf16 rows out of DRAM, where a burst of 16 rows'
+ * lines per 16-row step (the AVX-512 path's way) ran up to 1.3x slower on this AMD EPYC. */
+#define KVF_AVX2_PREFETCH_ROWS 16
+#endif
+
+/* True when the AVX2 path takes this operand (head size 64 checked by the caller). Not fp32 rows with
+ * fp32 compute: they need no decoding, the portable loops read them in place at the memory's pace,
+ * and this path (which copies them through L1) measured no faster on them (32 x 512 tokens, 1 thread). */
+static int avx2_reads(const kvf_kv *op, int compute) {
+    if (op->code == KVF_F32 && compute == KVF_F32) return 0;
+    if (op->code < KVF_E4M3) return op->gran == KVF_SCALE_NONE;
+    return op->code <= KVF_INT4 && op->gran != KVF_SCALE_NONE;
+}
+
+/* Elements 8c .. 8c + 7 of a row of storage `code` as fp32, unscaled (e4m3: the value / 256). */
+static inline __attribute__((always_inline)) __m256 load8(const char *p, int c, int code) {
+    switch (code) {
+    case KVF_F32:
+        return _mm256_loadu_ps((const float *)p + 8 * c);
+    case KVF_BF16:
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p + c)), 16));
+    case KVF_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + c));
+    case KVF_E4M3: { /* s eeee mmm -> half s 0eeee mmm0000000: same bits, exponent bias 15 instead of 7 */
+        const __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8 * c))), 7);
+        return _mm256_cvtph_ps(_mm_and_si128(h, _mm_set1_epi16((short)0xBF80)));
+    }
+    case KVF_E5M2:
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(p + 8 * c))), 8));
+    case KVF_INT8:
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * c))));
+    default: { /* KVF_INT4: element k of these 8 is bits 4k .. 4k + 3 of the little-endian word */
+        int32_t w;
+        memcpy(&w, p + 4 * c, 4);
+        const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                             _mm256_set1_epi32(15));
+        return _mm256_cvtepi32_ps(_mm256_sub_epi32(nib, _mm256_set1_epi32(8)));
+    }
+    }
+}
+
+/* fp32 rounded to the compute dtype (bf16 nearest even as torch does, or fp16), as `round_row`. */
+static inline __attribute__((always_inline)) __m256 round8(__m256 x, int compute) {
+    if (compute == KVF_F16) return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* Row `slot`, head h of op (storage `code`, a constant where inlined) as 8 vectors x[0..7]. Returns
+ * the factor the caller still owes the row (its scale, with fp32 compute and one scale per row), else
+ * 1 with the scale already applied. */
+static inline __attribute__((always_inline)) float row64(const kvf_kv *op, int64_t slot, int64_t h, int64_t BS,
+                                                         int compute, const int code, __m256 *x) {
+    const char *p = op->data + slot * op->row_bytes + h * op->head_bytes;
+    for (int c = 0; c < 8; c++) x[c] = load8(p, c, code);
+    float s = code == KVF_E4M3 ? 256.f : 1.f; /* exact: a power of two */
+    if (op->gran == KVF_SCALE_CHANNEL) {
+        const float *cs = op->scale + ((slot / BS) * op->heads + h) * 64;
+        for (int c = 0; c < 8; c++) x[c] = _mm256_mul_ps(_mm256_mul_ps(x[c], _mm256_set1_ps(s)), _mm256_loadu_ps(cs + 8 * c));
+    } else {
+        if (op->gran != KVF_SCALE_NONE)
+            s *= op->gran == KVF_SCALE_TENSOR ? op->scale[0]
+                 : op->gran == KVF_SCALE_TOKEN ? op->scale[slot] : op->scale[slot * op->heads + h];
+        if (compute == KVF_F32) return s;
+        if (s != 1.f)
+            for (int c = 0; c < 8; c++) x[c] = _mm256_mul_ps(x[c], _mm256_set1_ps(s));
+    }
+    if (compute != KVF_F32 && compute != code)
+        for (int c = 0; c < 8; c++) x[c] = round8(x[c], compute);
+    return 1.f;
+}
+
+/* Rows [i0, i0 + cnt) (cnt <= 16) of op, heads h0 .. h0 + nh - 1, decoded into buf as fp32: head j's
+ * row r at buf + (j * 16 + r) * 64, owing the factor f[j * 16 + r]. Walked row by row, all heads of a
+ * row together, in the order the pool holds them: walking one head's rows of a block and then the
+ * next head's ran slower out of DRAM here. One switch on the storage per call, so
+ * each format's decode loop is straight-line vector code. */
+static inline __attribute__((always_inline)) void rows_avx2(
+    const kvf_kv *op, const int64_t *slots, int64_t i0, int cnt, int64_t h0, int64_t nh, int64_t BS, int compute,
+    float *buf, float *f, int64_t n) {
+#define KVF_ROWS(CODE)                                                               \
+    for (int r = 0; r < cnt; r++) {                                                  \
+        if (i0 + r + KVF_AVX2_PREFETCH_ROWS < n) /* one row's lines at a time, never a burst */ \
+            for (int64_t off = 0; off < op->row_bytes; off += 64)                    \
+                __builtin_prefetch(op->data + slots[i0 + r + KVF_AVX2_PREFETCH_ROWS] * op->row_bytes + off, 0, 2); \
+        for (int64_t j = 0; j < nh; j++) {                                           \
+            __m256 x[8];                                                             \
+            float *d = buf + (j * 16 + r) * 64;                                      \
+            f[j * 16 + r] = row64(op, slots[i0 + r], h0 + j, BS, compute, CODE, x);  \
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(d + 8 * c, x[c]);           \
+        }}                                                                            \
+    break;
+    switch (op->code) {
+    case KVF_F32: KVF_ROWS(KVF_F32)
+    case KVF_BF16: KVF_ROWS(KVF_BF16)
+    case KVF_F16: KVF_ROWS(KVF_F16)
+    case KVF_E4M3: KVF_ROWS(KVF_E4M3)
+    case KVF_E5M2: KVF_ROWS(KVF_E5M2)
+    case KVF_INT8: KVF_ROWS(KVF_INT8)
+    default: KVF_ROWS(KVF_INT4)
+    }
+#undef KVF_ROWS
+}
+
+/* Eight 8-lane partial sums in, one vector of their eight totals out (lane r = sum of v[r]). */
+static inline __attribute__((always_inline)) __m256 reduce8(const __m256 *v) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* 128-bit halves: dims 0-3, 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Scores of rows[0 .. cnt) (cnt <= 16, fp32 rows of 64, owing factors f) against the G query heads
+ * (fp32 q in qf, 64 a head) into st[g * n + r]: 8 rows at a time, one transpose-reduction per query
+ * head. G is a compile-time constant at every call site. */
+static inline __attribute__((always_inline)) void scores_avx2(
+    const float *qf, const float *rows, const float *f, int cnt, int64_t n, float *st, const int G) {
+    for (int r0 = 0; r0 < cnt; r0 += 8) {
+        const int m = cnt - r0 < 8 ? cnt - r0 : 8;
+        __m256 part[8 * 8];
+        float fr[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int r = 0; r < 8; r++) {
+            if (r >= m) {
+                for (int g = 0; g < G; g++) part[g * 8 + r] = _mm256_setzero_ps();
+                continue;
+            }
+            fr[r] = f[r0 + r];
+            const float *kr = rows + (r0 + r) * 64;
+            __m256 k[8];
+            for (int c = 0; c < 8; c++) k[c] = _mm256_loadu_ps(kr + 8 * c);
+            for (int g = 0; g < G; g++) {
+                const float *qg = qf + g * 64;
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]);
+                __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), k[1]);
+                for (int c = 2; c < 8; c += 2) {
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), k[c], a);
+                    b = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c + 8), k[c + 1], b);
+                }
+                part[g * 8 + r] = _mm256_add_ps(a, b);
+            }
+        }
+        const __m256 fv = _mm256_loadu_ps(fr);
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int g = 0; g < G; g++) _mm256_maskstore_ps(st + g * n + r0, mask, _mm256_mul_ps(reduce8(part + g * 8), fv));
+    }
+}
+
+/* acc[g] += sum over r < cnt of p[g * n + r] * f[r] * row r: each query head's 64 accumulators stay
+ * in 8 registers across the rows, which are read from L1 once per head. */
+static inline __attribute__((always_inline)) void values_avx2(
+    const float *p, const float *rows, const float *f, int cnt, int64_t n, float *acc_mem, const int G) {
+    for (int g = 0; g < G; g++) {
+        __m256 a[8];
+        float *am = acc_mem + g * 64;
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(am + 8 * c);
+        const float *pg = p + g * n;
+        for (int r = 0; r < cnt; r++) {
+            const __m256 w = _mm256_set1_ps(pg[r] * f[r]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(rows + r * 64 + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(am + 8 * c, a[c]);
+    }
+}
 #endif
 
 /* Insertion sort of sequence indices by decreasing length: B is a batch size, and the usual input
@@ -467,7 +661,9 @@ int kvf_paged_decode(
         float *row = malloc(sizeof(float) * (D > DV ? D : DV));
         int64_t *slots = malloc(sizeof(int64_t) * n_max);
         uint16_t *pb16 = malloc(sizeof(uint16_t) * heads_per_item * G * (n_max + 2));
-        const int ok = qf && scores && acc && row && slots && pb16;
+        /* the AVX2 path's decoded rows (16 per head of the item) and their owed factors */
+        float *vbuf = malloc(sizeof(float) * heads_per_item * 16 * 64), *vf = malloc(sizeof(float) * heads_per_item * 16);
+        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -495,6 +691,14 @@ int kvf_paged_decode(
 #else
             const int fast = 0;
 #endif
+            /* What AVX-512 does not take (everything without it; compressed operands with it), AVX2
+             * does at head size 64, K and V each as its storage allows. */
+#ifdef KVF_HAVE_AVX2
+            const int avx2 = !fast && D == 64 && DV == 64 && G <= 8;
+            const int fast_k = avx2 && avx2_reads(K, dtype_code), fast_v = avx2 && avx2_reads(V, dtype_code);
+#else
+            const int fast_k = 0, fast_v = 0;
+#endif
             if (fast) {
 #ifdef KVF_HAVE_AVX512
                 /* Block by block: a block's rows (all the item's KV heads) are fetched from memory
@@ -508,6 +712,19 @@ int kvf_paged_decode(
                         const char *qp = (const char *)q + ((b * H + (kv0 + j) * G) * D) * esz;
                         const size_t off = (size_t)(kv0 + j) * D * esz;
 #define KVF_SCORES(GC) scores_d64(qp, (const char *)k_cache, slots, i0, cnt, n, k_row, off, dtype_code, scores + (j * G) * n, GC)
+                        KVF_DISPATCH_G(G, KVF_SCORES)
+#undef KVF_SCORES
+                    }
+                }
+#endif
+            } else if (fast_k) {
+#ifdef KVF_HAVE_AVX2
+                prefetch_rows((const char *)k_cache, slots, 0, n < KVF_AVX2_PREFETCH_ROWS ? n : KVF_AVX2_PREFETCH_ROWS, k_row);
+                for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                    const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+                    rows_avx2(K, slots, i0, cnt, kv0, heads_per_item, BS, dtype_code, vbuf, vf, n);
+                    for (int64_t j = 0; j < heads_per_item; j++) {
+#define KVF_SCORES(GC) scores_avx2(qf + j * G * 64, vbuf + j * 16 * 64, vf + j * 16, cnt, n, scores + (j * G) * n + i0, GC)
                         KVF_DISPATCH_G(G, KVF_SCORES)
 #undef KVF_SCORES
                     }
@@ -530,6 +747,9 @@ int kvf_paged_decode(
                 }
             }
             if (fast) prefetch_rows((const char *)v_cache, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, v_row);
+#ifdef KVF_HAVE_AVX2
+            if (fast_v) prefetch_rows((const char *)v_cache, slots, 0, n < KVF_AVX2_PREFETCH_ROWS ? n : KVF_AVX2_PREFETCH_ROWS, v_row);
+#endif
             /* Softmax per head in fp32 (vectorised exp); scale and soft-cap applied here. */
             for (int64_t h = 0; h < NH; h++) {
                 float *sg = scores + h * n;
@@ -586,6 +806,19 @@ int kvf_paged_decode(
                     for (int64_t h = 0; h < NH; h++) unpermute_d64(acc + h * DV);
 #endif
 #endif
+            } else if (fast_v) {
+#ifdef KVF_HAVE_AVX2
+                memset(acc, 0, sizeof(float) * NH * DV);
+                for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                    const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+                    rows_avx2(V, slots, i0, cnt, kv0, heads_per_item, BS, dtype_code, vbuf, vf, n);
+                    for (int64_t j = 0; j < heads_per_item; j++) {
+#define KVF_VALUES(GC) values_avx2(scores + (j * G) * n + i0, vbuf + j * 16 * 64, vf + j * 16, cnt, n, acc + (j * G) * DV, GC)
+                        KVF_DISPATCH_G(G, KVF_VALUES)
+#undef KVF_VALUES
+                    }
+                }
+#endif
             } else {
                 /* Pass 2: weighted sum of V; each value row is read once for all query heads of its group. */
                 memset(acc, 0, sizeof(float) * NH * DV);
@@ -613,6 +846,8 @@ int kvf_paged_decode(
         free(row);
         free(slots);
         free(pb16);
+        free(vbuf);
+        free(vf);
 #ifdef KVF_HAVE_MXCSR
         _mm_setcsr(saved_csr);
 #endif

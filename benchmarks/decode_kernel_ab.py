@@ -1,0 +1,66 @@
+"""The CPU decode kernel against another version of its source, in one process, calls alternating.
+
+Why: on a shared machine, timings taken minutes apart in separate processes differ by 2x; two
+builds timed call by call under the same load can be compared. Builds `--old-source` (e.g. a
+`git show REV:kvforge/attention/csrc/paged_decode.c > old.c`) beside this tree's kernel and times
+both on the layer of `quantized_decode.py` (3 KV heads x 64, 9 query heads, token scales), printing
+min and median ms of each and old/new of the minima, and the largest output difference.
+
+    git show HEAD~3:kvforge/attention/csrc/paged_decode.c > /tmp/old.c
+    OMP_NUM_THREADS=1 python benchmarks/decode_kernel_ab.py --old-source /tmp/old.c --batch 32 --len 512
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvforge.attention import cpu_kernel
+from kvforge.attention.cpu_paged import paged_attention_cpu
+from kvforge.native import NativeLibrary
+from quantized_decode import FORMATS, build
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old-source", type=Path, required=True)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--len", type=int, default=512)
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    libs = {"old": NativeLibrary(args.old_source.resolve(), "KVFORGE_CPU_KERNEL", "the old decode kernel",
+                                 cpu_kernel._declare), "new": cpu_kernel.LIBRARY}
+    for name, lib in libs.items():
+        assert lib.load() is not None, f"{name}: {lib.error}"
+    print(f"one layer, {args.batch} sequences x {args.len} tokens, {args.repeats} alternating calls each, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'compute':<9} {'KV format':<10} {'old min':>8} {'old med':>8} {'new min':>8} {'new med':>8} "
+          f"{'old/new':>8} {'max diff':>9}")
+    try:
+        for dtype in args.dtype:
+            for fmt in args.formats:
+                q, cache, meta = build(fmt, "token", getattr(torch, dtype), args.batch, args.len)
+                times: dict[str, list[float]] = {k: [] for k in libs}
+                outs = {}
+                for _ in range(args.repeats + 1):
+                    for name, lib in libs.items():
+                        cpu_kernel.LIBRARY = lib  # what paged_decode loads at each call
+                        start = time.perf_counter()
+                        outs[name] = paged_attention_cpu(q, cache, meta, 0.125)
+                        times[name].append(time.perf_counter() - start)
+                old, new = (sorted(times[k][1:]) for k in ("old", "new"))  # the first call warms up
+                diff = (outs["old"].float() - outs["new"].float()).abs().max().item()
+                print(f"{dtype:<9} {fmt:<10} {old[0] * 1e3:>8.2f} {statistics.median(old) * 1e3:>8.2f} "
+                      f"{new[0] * 1e3:>8.2f} {statistics.median(new) * 1e3:>8.2f} {old[0] / new[0]:>7.2f}x "
+                      f"{diff:>9.1e}", flush=True)
+    finally:
+        cpu_kernel.LIBRARY = libs["new"]
+
+
+if __name__ == "__main__":
+    main()
