@@ -89,9 +89,9 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
     total = 0
     linear_params = set()
     for m in model.modules():
-        packed = getattr(m, "packed_weight", None)
         if isinstance(m, torch.nn.Linear):
-            total += getattr(m, "packed_nbytes", 0) if packed is not None else m.weight.numel() * m.weight.element_size()
+            decode = getattr(m, "decode_nbytes", None)  # kvforge's Linear: the layout decode rows read
+            total += decode if decode is not None else m.weight.numel() * m.weight.element_size()
             linear_params.add(id(m.weight))
     for m in model.modules():
         if isinstance(m, torch.nn.Embedding) and id(m.weight) not in linear_params:

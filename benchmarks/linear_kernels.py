@@ -14,6 +14,7 @@ bytes / time, the decode bound being the machine's read bandwidth.
 
     python benchmarks/linear_kernels.py
     python benchmarks/linear_kernels.py --panel --threads 1 2 [--save FILE]   # results/linear_kernels.txt, 2nd table
+    python benchmarks/linear_kernels.py --panel --dtype bfloat16   # the bf16 decode kernel vs oneDNN bf16
 
 `--decode` measures what it buys end to end: the default model (fp32, one
 stream, 128-token prompt) loaded twice, with KVFORGE_LINEAR=onednn and =panel,
@@ -84,11 +85,14 @@ def best_us(fns: dict, items: int, rounds: int = 3, budget_s: float = 0.15) -> d
     return best
 
 
-def panel_vs_onednn(threads: list[int]) -> None:
+def panel_vs_onednn(threads: list[int], dtype: torch.dtype = torch.float32) -> None:
     from kvforge.models import panel_linear as pl
 
-    if not pl.available():
-        raise SystemExit(f"panel kernel unavailable: {pl.unavailable_reason()}")
+    if not pl.available(dtype):
+        raise SystemExit(f"panel kernel unavailable: {pl.unavailable_reason(dtype)}")
+    # the bf16 panel kernel is a decode kernel (KVFORGE_LINEAR=both sends it <= 4 rows): time it near there
+    rows = PANEL_ROWS if dtype == torch.float32 else (1, 2, 3, 4, 6, 8, 16)
+    print(f"{dtype}: panel kernel SIMD path {'built' if pl.simd(dtype) else 'NOT built (plain C)'}")
     op, reorder = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
     torch.manual_seed(0)
     losses: dict[tuple[int, str], list[int]] = {}
@@ -98,12 +102,12 @@ def panel_vs_onednn(threads: list[int]) -> None:
         print(f"{'shape':<9} {'M':>5} {'panel':>17} {'oneDNN hint32':>17} {'oneDNN hint1':>17} {'speed-up':>9} "
               f"{'max rel diff':>13}")
         for name, (n, k) in SHAPES.items():
-            dense = [torch.randn(n, k) for _ in range(1 if name == "lm_head" else 30)]
+            dense = [torch.randn(n, k).to(dtype) for _ in range(1 if name == "lm_head" else 30)]
             panels = [pl.pack_panels(w) for w in dense]
             hint32, hint1 = [reorder(w, 32) for w in dense], [reorder(w, 1) for w in dense]
-            gb = n * k * 4 / 1e3  # weight bytes / 1e3: GB/s when divided by microseconds
-            for m in PANEL_ROWS:
-                x = torch.randn(m, k)
+            gb = n * k * dense[0].element_size() / 1e3  # weight bytes / 1e3: GB/s when divided by microseconds
+            for m in rows:
+                x = torch.randn(m, k).to(dtype)
                 ref = F.linear(x.double(), dense[0].double())
                 rel = ((pl.panel_linear(x, panels[0]).double() - ref).abs().max() / ref.abs().max()).item()
                 us = best_us({
@@ -151,6 +155,8 @@ def main() -> None:
     parser.add_argument("--panel", action="store_true", help="panel kernel vs oneDNN packed (instead of torch vs oneDNN)")
     parser.add_argument("--decode", action="store_true", help="end to end: default model decode, oneDNN vs panel")
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="--panel: weight dtype (bfloat16: the AVX512-BF16 decode kernel, 1-16 rows)")
     parser.add_argument("--save", type=Path, help="also write the output to this file")
     args = parser.parse_args()
     if not ONEDNN_LINEAR:
@@ -166,7 +172,7 @@ def main() -> None:
         if args.decode:
             decode_onednn_vs_panel(args.threads)
         elif args.panel:
-            panel_vs_onednn(args.threads)
+            panel_vs_onednn(args.threads, getattr(torch, args.dtype))
         else:
             torch_vs_onednn()
     if args.save:

@@ -1,4 +1,5 @@
-"""The panel fp32 linear kernel equals F.linear (fp32 rounding) for any M, N, K, with and without AVX2."""
+"""The panel linear kernels equal F.linear for any M, N, K: fp32 (fp32 rounding) with and without AVX2, bf16
+(one bf16 rounding of an fp32 sum) with and without AVX512-BF16; `KVFORGE_LINEAR` picks them."""
 from __future__ import annotations
 
 import os
@@ -54,12 +55,14 @@ def test_leading_dims_and_bad_input():
     assert pl.panel_linear(torch.randn(0, 8), w).shape == (0, 5)
     with pytest.raises(ValueError, match="last dim 8"):
         pl.panel_linear(torch.randn(2, 7), w)
-    with pytest.raises(ValueError, match="fp32"):
+    with pytest.raises(ValueError, match="float32"):
         pl.panel_linear(torch.randn(2, 8, dtype=torch.float64), w)
     with pytest.raises(ValueError, match="bias"):
         pl.panel_linear(torch.randn(2, 8), w, torch.randn(4))
-    with pytest.raises(ValueError, match="2-D fp32"):
-        pl.pack_panels(torch.randn(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D fp32 or bf16"):
+        pl.pack_panels(torch.randn(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bfloat16"):  # x must be in the weight's dtype
+        pl.panel_linear(torch.randn(2, 8), pl.pack_panels(torch.randn(5, 8, dtype=torch.bfloat16)))
 
 
 def _dense(pw: pl.PanelWeight) -> torch.Tensor:
@@ -76,11 +79,21 @@ def test_packing_is_a_relayout():
     assert torch.equal(_dense(pw), w) and pw.nbytes == 48 * 19 * 4
 
 
+def _run_built_with(flags: str, tmp_path, body: str) -> None:
+    """Run `body` (test code) in a fresh process whose kernels are built with KVFORGE_EXTRA_CFLAGS=flags; with
+    flags, the kernel must say it took its plain-C path (`body` prints 'simd N')."""
+    code = "import sys, torch; sys.path.insert(0, %r)\n" % os.path.dirname(__file__) + body + "print('ok')\n"
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr[-2000:]
+    if flags:
+        assert "simd 0" in out.stdout
+
+
 @pytest.mark.parametrize("flags", ["-mno-avx2 -mno-fma", ""])
 def test_plain_c_fallback_build(tmp_path, flags):
     """Built without AVX2/FMA the kernel takes its plain-C path (and says so) with the same results."""
-    code = (
-        "import sys, torch; sys.path.insert(0, %r)\n"
+    _run_built_with(flags, tmp_path, (
         "from test_panel_linear import _check\n"
         "from kvforge.models import panel_linear as pl\n"
         "assert pl.available(), pl.unavailable_reason()\n"
@@ -89,13 +102,115 @@ def test_plain_c_fallback_build(tmp_path, flags):
         "for m in (1, 2, 3, 5, 6, 7, 70):\n"
         "    _check(m, 33, 131, bias=m & 1 == 1)\n"
         "_check(64, 960, 576, bias=True, threads=2)\n"
-        "print('ok')\n"
-    ) % os.path.dirname(__file__)
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr[-2000:]
-    if flags:
-        assert "simd 0" in out.stdout
+    ))
+
+
+def _check_bf16(m: int, n: int, k: int, bias: bool, threads: int | None = None) -> None:
+    """bf16 x and W, fp32 accumulation, one rounding to bf16: within a bf16 step of the exact result."""
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    out = pl.panel_linear(x, pl.pack_panels(w), b, num_threads=threads)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    scale = (x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())).clamp_min(1.0)
+    err = ((out.double() - ref).abs() / scale).max().item()
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16 and err < 2 ** -8, (m, n, k, bias, err)
+
+
+def _dense_bf16(pw: pl.PanelWeight) -> torch.Tensor:
+    panels, k2, nr, two = pw.packed.shape
+    full = pw.packed.transpose(1, 2).reshape(panels * nr, k2 * two)
+    assert torch.count_nonzero(full[pw.n:].float()) == 0 and torch.count_nonzero(full[:, pw.k:].float()) == 0
+    return full[:pw.n, :pw.k]
+
+
+bf16_kernel = pytest.mark.skipif(not pl.available(torch.bfloat16),
+                                 reason=f"no bf16 panel kernel: {pl.unavailable_reason(torch.bfloat16)}")
+
+
+@bf16_kernel
+def test_bf16_kernel_matches_f_linear_for_odd_shapes():
+    torch.manual_seed(5)
+    for m in range(1, 12):
+        n, k = (1, 15, 16, 17, 33, 47)[m % 6], (1, 7, 8, 9, 64, 131)[m % 6 - 2]  # odd K: a zero k is padded
+        _check_bf16(m, n, k, bias=m % 2 == 0)
+    for m in (1, 2, 4, 5):
+        _check_bf16(m, 960, 576, bias=True, threads=2)
+        _check_bf16(m, 200, 1537, bias=False, threads=1)
+    _check_bf16(1, 40, 576, bias=False, threads=64)  # more threads than panels
+
+
+@bf16_kernel
+def test_bf16_packing_is_a_relayout():
+    w = torch.randn(37, 19).bfloat16()
+    pw = pl.pack_panels(w)
+    assert torch.equal(_dense_bf16(pw), w) and pw.nbytes == 48 * 20 * 2 and pw.dtype == torch.bfloat16
+
+
+@bf16_kernel
+@pytest.mark.parametrize("flags", ["-mno-avx512bf16", ""])
+def test_bf16_plain_c_fallback_build(tmp_path, flags):
+    """Built without AVX512-BF16 the bf16 kernel takes its plain-C path (and says so) with the same results."""
+    _run_built_with(flags, tmp_path, (
+        "from test_panel_linear import _check_bf16\n"
+        "from kvforge.models import panel_linear as pl\n"
+        "assert pl.available(torch.bfloat16), pl.unavailable_reason(torch.bfloat16)\n"
+        "print('simd', int(pl.simd(torch.bfloat16)))\n"
+        "torch.manual_seed(6)\n"
+        "for m in (1, 2, 3, 4, 5, 9):\n"
+        "    _check_bf16(m, 33, 131, bias=m & 1 == 1)\n"
+    ))
+
+
+def test_both_sends_decode_rows_to_the_panel_kernel_and_larger_calls_to_onednn(monkeypatch):
+    """KVFORGE_LINEAR=both: two layouts per weight, each counted; <= PANEL_DECODE_ROWS rows run the panel
+    kernel, more rows oneDNN; the results agree with the dense layer either way."""
+    from torch import nn
+
+    from kvforge.engine.startup_report import _describe_linear, weights_bytes
+    from kvforge.models import linear
+
+    if not linear.ONEDNN_LINEAR:
+        pytest.skip("oneDNN linear unavailable on this torch build")
+    monkeypatch.setenv("KVFORGE_LINEAR", "both")
+    torch.manual_seed(7)
+    layer = linear.Linear(24, 40)
+    model = nn.ModuleList([layer])
+    size = weights_bytes(model)
+    xs = [torch.randn(m, 24) for m in (1, linear.PANEL_DECODE_ROWS, linear.PANEL_DECODE_ROWS + 1, 64)]
+    with torch.no_grad():
+        before = [layer(x) for x in xs]
+        assert linear.pack_linear_weights(model) == 1
+        assert layer.panel_weight is not None and layer.onednn_weight is not None
+        assert layer.decode_nbytes == 48 * 24 * 4  # decode rows read the panel layout
+        calls = []
+        real = linear.panel_linear
+        monkeypatch.setattr(linear, "panel_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+        for x, ref in zip(xs, before):
+            torch.testing.assert_close(layer(x), ref, atol=1e-5, rtol=1e-5)
+    assert calls == [1, linear.PANEL_DECODE_ROWS]
+    # the oneDNN layout replaces the dense weight (same bytes); the panel layout is extra, padded to 48 columns
+    assert weights_bytes(model) == size + 48 * 24 * 4
+    assert "KVFORGE_LINEAR=both" in _describe_linear(model)
+
+
+def test_auto_skips_both_for_big_models(monkeypatch):
+    """auto's `both` keeps a second copy only while the linear weights are small; above, oneDNN alone."""
+    from torch import nn
+
+    from kvforge.models import linear
+
+    if not linear.ONEDNN_LINEAR:
+        pytest.skip("oneDNN linear unavailable on this torch build")
+    monkeypatch.delenv("KVFORGE_LINEAR", raising=False)
+    monkeypatch.setattr(linear, "linear_backend", lambda: "both")
+    monkeypatch.setattr(linear, "AUTO_BOTH_MAX_BYTES", 1000)
+    big = nn.ModuleList([linear.Linear(24, 40)])  # 3,840 bytes of weights
+    linear.pack_linear_weights(big)
+    assert big[0].panel_weight is None and big[0].onednn_weight is not None
+    monkeypatch.setattr(linear, "AUTO_BOTH_MAX_BYTES", 1 << 20)
+    small = nn.ModuleList([linear.Linear(24, 40)])
+    linear.pack_linear_weights(small)
+    assert small[0].panel_weight is not None and small[0].onednn_weight is not None
 
 
 def test_kvforge_linear_panel_packs_fp32_layers_and_the_tied_copy(monkeypatch):
@@ -128,23 +243,24 @@ def test_kvforge_linear_rejects_unknown_backend(monkeypatch):
     from kvforge.models.linear import Linear
 
     monkeypatch.setenv("KVFORGE_LINEAR", "fast")
-    with pytest.raises(ValueError, match="KVFORGE_LINEAR must be one of auto, onednn, panel"):
+    with pytest.raises(ValueError, match="KVFORGE_LINEAR must be one of auto, onednn, panel, both"):
         Linear(4, 4).pack()
 
 
-def test_auto_takes_the_panel_kernel_only_without_avx512(monkeypatch):
-    """auto: panel where its AVX2+FMA path is built and the CPU has no AVX-512; oneDNN on AVX-512 CPUs."""
+def test_auto_takes_the_panel_kernel_without_avx512_and_both_with_it(monkeypatch):
+    """auto: panel where its AVX2+FMA path is built and the CPU has no AVX-512; on AVX-512 CPUs both layouts
+    (panel for decode rows, oneDNN above)."""
     from kvforge.models import linear
 
     monkeypatch.delenv("KVFORGE_LINEAR", raising=False)
-    monkeypatch.setattr(linear, "panel_kernel_available", lambda: True)
-    monkeypatch.setattr(linear, "panel_kernel_simd", lambda: True)
+    monkeypatch.setattr(linear, "panel_kernel_available", lambda *a: True)
+    monkeypatch.setattr(linear, "panel_kernel_simd", lambda *a: True)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert linear.linear_backend() == "panel"
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert linear.linear_backend() == "onednn"
+    assert linear.linear_backend() == "both"
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    monkeypatch.setattr(linear, "panel_kernel_simd", lambda: False)  # plain-C build: oneDNN is faster
+    monkeypatch.setattr(linear, "panel_kernel_simd", lambda *a: False)  # plain-C build: oneDNN is faster
     assert linear.linear_backend() == "onednn"
     monkeypatch.setenv("KVFORGE_LINEAR", "panel")
     assert linear.linear_backend() == "panel"

@@ -11,6 +11,7 @@ import torch
 
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
+from kvforge.models.linear import PANEL_DECODE_ROWS
 from kvforge.engine.args import EngineConfig
 from kvforge.ledger import (
     QUANTIZED_DTYPES,
@@ -172,7 +173,16 @@ def _describe_linear(model: torch.nn.Module) -> str:
     extra = sum(m.packed_nbytes for m in copies)
     what = "a shared weight (tied lm_head)" if len(copies) == 1 else f"{len(copies)} shared weights"
     note = f", +{extra / 2**20:.1f} MiB for a packed copy of {what}" if copies else ""
-    panel = sum(getattr(m, "panel_weight", None) is not None for m in packed)
-    kind = ("kvforge panel kernel (KVFORGE_LINEAR)" if panel == len(packed)
-            else f"{panel} for the kvforge panel kernel, the rest oneDNN" if panel else "oneDNN")
+    panel = [m for m in packed if getattr(m, "panel_weight", None) is not None]
+    both = [m for m in panel if getattr(m, "onednn_weight", None) is not None]
+    if both:  # two layouts per weight: the second one is extra bytes too, say how many
+        second = sum(m.panel_weight.nbytes for m in both)
+        kind = (f"kvforge panel kernel for decode rows (<= {PANEL_DECODE_ROWS} per call), oneDNN above "
+                f"(KVFORGE_LINEAR=both, +{second / 2**20:.1f} MiB for the second layout)")
+        if len(both) < len(packed):
+            kind += f"; {len(packed) - len(both)} weights one layout only"
+    elif len(panel) == len(packed):
+        kind = "kvforge panel kernel (KVFORGE_LINEAR)"
+    else:
+        kind = f"{len(panel)} for the kvforge panel kernel, the rest oneDNN" if panel else "oneDNN"
     return f"{kind}, {len(packed)} weights packed at load{note}"

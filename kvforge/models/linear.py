@@ -27,7 +27,18 @@ many rows), `onednn` the above. `auto` (the default) takes `panel` where its
 AVX2+FMA path is built and the CPU has no AVX-512: measured on such a CPU (AMD
 EPYC, AVX2), single-stream decode 1.58x faster, and from 64 rows up the two
 are even (`benchmarks/linear_kernels.py`). On AVX-512 CPUs oneDNN's wider
-kernels stay, unmeasured against the panel kernel. Other dtypes go to oneDNN.
+kernels stay for every row count, unless `both` applies (below). Other dtypes go to oneDNN.
+
+`both` keeps two layouts of each weight: the panel kernel's for decode rows
+(up to `PANEL_DECODE_ROWS` rows per call) and oneDNN's for everything larger
+(prefill chunks, big decode batches), for fp32 and, where the CPU has
+AVX512-BF16, bf16 (`csrc/linear_bf16.c`). It costs a second copy of the
+linear weights, which the start-up ledger's weights line counts, and buys
+both: measured on an AVX-512 CPU (AMD EPYC Zen 4), oneDNN's kernels are
+10-30% faster from 8 rows up while the panel kernels are 1.2-2.2x faster at
+1-4 rows (`benchmarks/linear_kernels.py`). `auto` takes `both` on AVX-512
+CPUs while the copy stays under `AUTO_BOTH_MAX_BYTES` of linear weights,
+oneDNN alone above that.
 """
 from __future__ import annotations
 
@@ -81,65 +92,108 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 PACKABLE_DTYPES = _packable_dtypes()
 
 
-LINEAR_BACKENDS = ("auto", "onednn", "panel")
+LINEAR_BACKENDS = ("auto", "onednn", "panel", "both")
+
+# Rows per call up to which `both` runs the panel kernel: it was measured ahead at 1-4 rows, oneDNN from 8.
+PANEL_DECODE_ROWS = 4
+
+# auto takes `both` only while the second copy of the linear weights stays this small (a model of ~1B
+# parameters in fp32); larger models keep one layout (oneDNN).
+AUTO_BOTH_MAX_BYTES = 4 << 30
 
 
 def linear_backend() -> str:
-    """`KVFORGE_LINEAR` resolved: which packed layout fp32 CPU weights get at load (read when packing)."""
+    """`KVFORGE_LINEAR` resolved: which packed layout(s) CPU weights get at load (read when packing).
+
+    auto resolves here by CPU alone; `pack_linear_weights` also drops auto's `both` for big models."""
+    backend = requested_linear_backend()
+    if backend == "auto":
+        return "both" if _avx512() and panel_kernel_available() else "panel" if _panel_preferred() else "onednn"
+    return backend
+
+
+def requested_linear_backend() -> str:
     backend = os.environ.get("KVFORGE_LINEAR", "auto").strip().lower() or "auto"
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"KVFORGE_LINEAR must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        return "panel" if _panel_preferred() else "onednn"
     return backend
+
+
+def _avx512() -> bool:
+    return "AVX512" in torch.backends.cpu.get_cpu_capability()
 
 
 def _panel_preferred() -> bool:
     """auto: the panel kernel's SIMD path is built, and the CPU has no AVX-512 (where it was measured ahead)."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    return "AVX512" not in capability and panel_kernel_available() and panel_kernel_simd()
+    return not _avx512() and panel_kernel_available() and panel_kernel_simd()
 
 
-def _pack_panel(w: torch.Tensor) -> PanelWeight | None:
-    if w.dtype != torch.float32 or w.device.type != "cpu" or linear_backend() != "panel":
+def _panel_layout_for(w: torch.Tensor, backend: str) -> PanelWeight | None:
+    """The panel layout this weight gets under `backend`, or None.
+
+    panel: fp32 only (the bf16 kernel is for decode rows, not GEMM). both: fp32, and bf16 where the bf16
+    kernel's AVX512-BF16 path is built (its plain-C fallback would be slower than oneDNN)."""
+    if w.device.type != "cpu" or backend not in ("panel", "both"):
+        return None
+    if w.dtype == torch.bfloat16 and backend == "both":
+        return pack_panels(w.detach()) if panel_kernel_available(w.dtype) and panel_kernel_simd(w.dtype) else None
+    if w.dtype != torch.float32:
         return None
     if not panel_kernel_available():
-        raise RuntimeError(f"KVFORGE_LINEAR=panel but the panel kernel is unavailable: {panel_unavailable_reason()}")
+        raise RuntimeError(f"KVFORGE_LINEAR={backend} but the panel kernel is unavailable: {panel_unavailable_reason()}")
     return pack_panels(w.detach())
 
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict until packed) routed through `linear`."""
 
-    packed_weight: torch.Tensor | None = None
-    panel_weight: PanelWeight | None = None  # set when packed for the panel kernel (packed_weight is its tensor)
-    packed_nbytes = 0  # bytes held outside parameters(): the packed weight, or the packed copy
+    panel_weight: PanelWeight | None = None  # the panel kernel's layout, when packed for it
+    onednn_weight: torch.Tensor | None = None  # oneDNN's packed layout, when packed for it
+    packed_nbytes = 0  # bytes held outside parameters(): the packed layout(s), or the packed copy
     packed_copy = False  # True: the dense weight stays (shared), packed_nbytes are extra bytes
     keep_dense = False  # set by models that read this weight directly (e.g. MLA absorption)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def packed_weight(self) -> torch.Tensor | None:
+        """The layout a large matmul reads (oneDNN's when there is one), or None while dense."""
+        if self.onednn_weight is not None:
+            return self.onednn_weight
+        return self.panel_weight.packed if self.panel_weight is not None else None
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Weight bytes one decode step (a few rows) reads: the panel layout where there is one."""
         if self.panel_weight is not None:
-            return panel_linear(x, self.panel_weight, self.bias)
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return self.panel_weight.nbytes
+        if self.onednn_weight is not None:
+            return self.packed_nbytes
+        return self.weight.numel() * self.weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pw = self.panel_weight
+        if pw is not None and (self.onednn_weight is None or x.numel() <= PANEL_DECODE_ROWS * pw.k):
+            return panel_linear(x, pw, self.bias)
+        if self.onednn_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
 
-    def pack(self, batch_hint: int = PACK_BATCH_HINT, keep_dense_copy: bool = False) -> bool:
-        """Replace the dense weight by oneDNN's packed layout (or, with KVFORGE_LINEAR=panel, fp32 weights by
-        the panel kernel's; inference only), or with
-        `keep_dense_copy` add the packed layout beside it; False if not applicable."""
+    def pack(self, batch_hint: int = PACK_BATCH_HINT, keep_dense_copy: bool = False, backend: str | None = None) -> bool:
+        """Replace the dense weight by its packed layout(s) (inference only): oneDNN's, the panel kernel's
+        (`KVFORGE_LINEAR=panel`, fp32), or both (`both`); with `keep_dense_copy` add them beside the dense
+        weight. False if not applicable."""
         w = self.weight
         if self.keep_dense or w.device.type != "cpu":
             return False
-        self.panel_weight = _pack_panel(w)
-        if self.panel_weight is not None:
-            self.packed_weight = self.panel_weight.packed
-        elif ONEDNN_LINEAR and w.dtype in PACKABLE_DTYPES:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        else:
+        backend = backend or linear_backend()
+        self.panel_weight = _panel_layout_for(w, backend)
+        self.onednn_weight = None
+        if (self.panel_weight is None or backend == "both") and ONEDNN_LINEAR and w.dtype in PACKABLE_DTYPES:
+            self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        if self.panel_weight is None and self.onednn_weight is None:
             return False
         # the panel layout pads N up to whole panels: count what it holds
-        self.packed_nbytes = self.panel_weight.nbytes if self.panel_weight is not None else w.numel() * w.element_size()
+        self.packed_nbytes = ((self.panel_weight.nbytes if self.panel_weight is not None else 0)
+                              + (w.numel() * w.element_size() if self.onednn_weight is not None else 0))
         self.packed_copy = keep_dense_copy
         if not keep_dense_copy:
             self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)  # dense copy released
@@ -161,6 +215,11 @@ def pack_linear_weights(
     """
     if copy_shared is None:
         copy_shared = pack_shared_enabled()
+    backend = linear_backend()
+    if backend == "both" and requested_linear_backend() == "auto":
+        total = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
+        if total > AUTO_BOTH_MAX_BYTES:
+            backend = "onednn"  # auto: a second copy of this much is not worth a faster decode step
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -170,5 +229,5 @@ def pack_linear_weights(
         if isinstance(module, Linear):
             shared = owners.get(id(module.weight), 0) > 1
             if not shared or copy_shared:
-                packed += module.pack(batch_hint, keep_dense_copy=shared)
+                packed += module.pack(batch_hint, keep_dense_copy=shared, backend=backend)
     return packed

@@ -10,6 +10,11 @@ Larger M reuses each panel from cache through a register-blocked 6x16 AVX2
 microkernel. `benchmarks/linear_kernels.py` compares it with oneDNN per shape
 and row count; `KVFORGE_LINEAR=panel` selects it for a model's fp32 CPU
 `Linear` layers (`kvforge.models.linear`).
+
+bf16 weights get the same idea in `csrc/linear_bf16.c`: panels of 16 columns
+whose k dimension goes in pairs ([K/2][16][2]), the operand layout of
+AVX512-BF16's `vdpbf16ps`. That kernel is for decode rows only (a few rows per
+call); `kvforge.models.linear` sends larger row counts to oneDNN.
 """
 from __future__ import annotations
 
@@ -38,24 +43,52 @@ LIBRARY = NativeLibrary(
 )
 
 
-def available() -> bool:
-    return LIBRARY.load() is not None
+def _declare_bf16(lib: ctypes.CDLL) -> None:
+    lib.kvf_panel_linear_bf16.restype = None
+    lib.kvf_panel_linear_bf16.argtypes = [_P, _I, _I, _P, _I, _P, _P, _C]
+    lib.kvf_panel_bf16_nr.restype = _C
+    lib.kvf_panel_bf16_nr.argtypes = []
+    lib.kvf_panel_bf16_simd.restype = _C
+    lib.kvf_panel_bf16_simd.argtypes = []
 
 
-def simd() -> bool:
-    """True when the library was built with its AVX2+FMA path (not the plain-C fallback)."""
-    lib = LIBRARY.load()
-    return lib is not None and bool(lib.kvf_panel_simd())
+LIBRARY_BF16 = NativeLibrary(
+    Path(__file__).parent / "csrc" / "linear_bf16.c", "KVFORGE_PANEL_LINEAR", "the bf16 panel linear kernel",
+    _declare_bf16,
+)
 
 
-def unavailable_reason() -> str | None:
-    LIBRARY.load()
-    return LIBRARY.error
+def _library(dtype: torch.dtype) -> NativeLibrary:
+    if dtype == torch.float32:
+        return LIBRARY
+    if dtype == torch.bfloat16:
+        return LIBRARY_BF16
+    raise ValueError(f"the panel kernels take fp32 or bf16 weights, got {dtype}")
+
+
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    return _library(dtype).load() is not None
+
+
+def simd(dtype: torch.dtype = torch.float32) -> bool:
+    """True when the library was built with its SIMD path (fp32: AVX2+FMA; bf16: AVX512-BF16), not the
+    plain-C fallback."""
+    lib = _library(dtype).load()
+    if lib is None:
+        return False
+    return bool(lib.kvf_panel_simd() if dtype == torch.float32 else lib.kvf_panel_bf16_simd())
+
+
+def unavailable_reason(dtype: torch.dtype = torch.float32) -> str | None:
+    library = _library(dtype)
+    library.load()
+    return library.error
 
 
 @dataclass(frozen=True)
 class PanelWeight:
-    """A [N, K] fp32 weight as ceil(N/NR) panels of [K][NR] floats (zero-padded columns).
+    """A [N, K] weight as ceil(N/NR) panels: fp32 [K][NR] floats, bf16 [ceil(K/2)][NR][2] (zero-padded
+    columns, and for bf16 a zero k when K is odd).
 
     `packed` is a plain float32 tensor, so its bytes count like any weight's (`nbytes`)."""
 
@@ -67,43 +100,56 @@ class PanelWeight:
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
 
 def pack_panels(weight: torch.Tensor) -> PanelWeight:
-    """Re-lay a dense [N, K] fp32 CPU weight out in the kernel's panel layout (once, at load)."""
-    lib = LIBRARY.load()
-    if lib is None:
-        raise RuntimeError(f"panel linear kernel unavailable: {LIBRARY.error}")
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"pack_panels takes a 2-D fp32 CPU weight, got {tuple(weight.shape)} {weight.dtype} "
+    """Re-lay a dense [N, K] fp32 or bf16 CPU weight out in its kernel's panel layout (once, at load)."""
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+        raise ValueError(f"pack_panels takes a 2-D fp32 or bf16 CPU weight, got {tuple(weight.shape)} {weight.dtype} "
                          f"on {weight.device}")
-    nr = lib.kvf_panel_nr()
+    library = _library(weight.dtype)
+    lib = library.load()
+    if lib is None:
+        raise RuntimeError(f"panel linear kernel unavailable: {library.error}")
     n, k = weight.shape
-    padded = torch.zeros(-(-n // nr) * nr, k, dtype=torch.float32)
-    padded[:n] = weight.detach()
-    packed = padded.view(-1, nr, k).transpose(1, 2).contiguous()  # [panels, K, NR]
-    return PanelWeight(packed, n, k)
+    if weight.dtype == torch.float32:
+        nr = lib.kvf_panel_nr()
+        padded = torch.zeros(-(-n // nr) * nr, k, dtype=torch.float32)
+        padded[:n] = weight.detach()
+        return PanelWeight(padded.view(-1, nr, k).transpose(1, 2).contiguous(), n, k)  # [panels, K, NR]
+    nr = lib.kvf_panel_bf16_nr()
+    padded = torch.zeros(-(-n // nr) * nr, k + k % 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight.detach()
+    # [panels, NR, K/2, 2] -> [panels, K/2, NR, 2]: one k-pair of all NR columns per 64-byte line
+    return PanelWeight(padded.view(-1, nr, (k + 1) // 2, 2).transpose(1, 2).contiguous(), n, k)
 
 
 def panel_linear(x: torch.Tensor, pw: PanelWeight, bias: torch.Tensor | None = None,
                  num_threads: int | None = None) -> torch.Tensor:
-    """x[..., K] @ W^T (+ bias) for fp32 CPU x; leading dims are flattened into rows (inference only)."""
-    lib = LIBRARY.load()
+    """x[..., K] @ W^T (+ bias) for CPU x in the weight's dtype; leading dims are flattened into rows
+    (inference only)."""
+    dtype = pw.dtype
+    library = _library(dtype)
+    lib = library.load()
     if lib is None:
-        raise RuntimeError(f"panel linear kernel unavailable: {LIBRARY.error}")
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != pw.k:
-        raise ValueError(f"panel_linear takes fp32 CPU x with last dim {pw.k}, got {tuple(x.shape)} {x.dtype} "
+        raise RuntimeError(f"panel linear kernel unavailable: {library.error}")
+    if x.dtype != dtype or x.device.type != "cpu" or x.shape[-1] != pw.k:
+        raise ValueError(f"panel_linear takes {dtype} CPU x with last dim {pw.k}, got {tuple(x.shape)} {x.dtype} "
                          f"on {x.device}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, pw.k).contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, pw.n, dtype=torch.float32)
+    y = torch.empty(m, pw.n, dtype=dtype)
     if m == 0:
         return y.view(*lead, pw.n)
     if bias is not None:
-        if bias.shape != (pw.n,) or bias.dtype != torch.float32:
-            raise ValueError(f"bias must be fp32 of shape ({pw.n},), got {tuple(bias.shape)} {bias.dtype}")
+        if bias.shape != (pw.n,) or bias.dtype != dtype:
+            raise ValueError(f"bias must be {dtype} of shape ({pw.n},), got {tuple(bias.shape)} {bias.dtype}")
         bias = bias.detach().contiguous()
-    lib.kvf_panel_linear(x2.data_ptr(), m, pw.k, pw.packed.data_ptr(), pw.n,
-                         bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                         num_threads or torch.get_num_threads())
+    run = lib.kvf_panel_linear if dtype == torch.float32 else lib.kvf_panel_linear_bf16
+    run(x2.data_ptr(), m, pw.k, pw.packed.data_ptr(), pw.n, bias.data_ptr() if bias is not None else None,
+        y.data_ptr(), num_threads or torch.get_num_threads())
     return y.view(*lead, pw.n)
