@@ -104,7 +104,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ctypes.POINTER(_KV)] + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_void_p]
     fn = lib.kvf_paged_prefill
     fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes = ([ctypes.c_void_p, ctypes.POINTER(_KV), ctypes.POINTER(_KV), ctypes.c_void_p, ctypes.c_int64]
+                   + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
                    + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_float, ctypes.c_int])
     fn = lib.kvf_paged_prefill_supported
     fn.restype = ctypes.c_int
@@ -229,28 +230,45 @@ def prefill_indices(chunks: list, num_rows: int, num_blocks: int, block_size: in
     return PrefillIndices(tables, row0, qlen, start)
 
 
-def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The prefill kernel's reach: head size 64, at most 8 query heads per KV head, fp32/bf16, AVX-512."""
+def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor | PoolView | None,
+                      v_cache: torch.Tensor | PoolView | None) -> bool:
+    """The prefill kernel's reach: head size 64, at most 8 query heads per KV head, fp32/bf16 compute,
+    AVX-512; K/V dense tensors of q's dtype, or views of any storage format (`store_view`)."""
     lib = _load()
-    return (lib is not None and q.dim() == 3 and supports(q, k_cache, v_cache)
-            and bool(lib.kvf_paged_prefill_supported(q.shape[1], k_cache.shape[2], q.shape[2], v_cache.shape[-1],
-                                                     DTYPE_CODES[q.dtype])))
+    if lib is None or q.dim() != 3 or k_cache is None or v_cache is None:
+        return False
+    if isinstance(k_cache, PoolView) or isinstance(v_cache, PoolView):
+        k = k_cache if isinstance(k_cache, PoolView) else dense_view(k_cache)
+        v = v_cache if isinstance(v_cache, PoolView) else dense_view(v_cache)
+        if not supports_views(q, k, v):
+            return False
+        heads, k_dim, v_dim = k.heads, k.dim, v.dim
+    else:
+        if not supports(q, k_cache, v_cache):
+            return False
+        heads, k_dim, v_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[-1]
+    return k_dim == q.shape[2] and bool(
+        lib.kvf_paged_prefill_supported(q.shape[1], heads, k_dim, v_dim, DTYPE_CODES[q.dtype]))
 
 
 def paged_prefill(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, idx: PrefillIndices, scale: float,
-    sliding_window: int | None, softcap: float | None, out: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor | PoolView, v_cache: torch.Tensor | PoolView, idx: PrefillIndices,
+    scale: float, sliding_window: int | None, softcap: float | None, out: torch.Tensor,
 ) -> torch.Tensor:
     """Attention of every prefill chunk's rows of q [T, H, 64] (causal over cached prefix + chunk),
-    written into the same rows of `out` [T, H, 64]; needs `prefill_supported`."""
+    written into the same rows of `out` [T, H, 64]; needs `prefill_supported`. Compressed K/V (views)
+    are decoded in the kernel's block loop, as the decode kernel's portable loops decode them."""
     lib = _load()
     assert lib is not None and prefill_supported(q, k_cache, v_cache)
+    k = k_cache if isinstance(k_cache, PoolView) else dense_view(k_cache)
+    v = v_cache if isinstance(v_cache, PoolView) else dense_view(v_cache)
     q = q.contiguous()
     assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
+    ks, vs = k.struct(), v.struct()
     rc = lib.kvf_paged_prefill(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), idx.tables.data_ptr(), idx.tables.shape[1],
+        q.data_ptr(), ctypes.byref(ks), ctypes.byref(vs), idx.tables.data_ptr(), idx.tables.shape[1],
         idx.row0.data_ptr(), idx.qlen.data_ptr(), idx.start.data_ptr(), idx.tables.shape[0], out.data_ptr(),
-        q.shape[1], k_cache.shape[2], k_cache.shape[1], sliding_window or 0, scale, softcap or 0.0,
+        q.shape[1], k.heads, k.block_size, sliding_window or 0, scale, softcap or 0.0,
         DTYPE_CODES[q.dtype],
     )
     if rc != 0:

@@ -6,10 +6,10 @@ decode step (one read of the KV instead of read, write, read). Prefill chunks
 with head size 64 (and at most 8 query heads per KV head) run in the prefill
 kernel, 1.5-2x SDPA's flash kernel here; other shapes keep SDPA (or the
 reference when soft-capped). Quantized caches (any format, scale granularity and
-K/V split) and the MLA latent cache are read in place by the decode kernel too,
-dequantized in registers; their prefill chunks gather (and dequantize) through
-SDPA, where the copy is amortised over the chunk's queries. Both kernels write
-into one output tensor: no concatenation.
+K/V split) are read in place by both kernels, dequantized in registers (decode)
+or once per 16-key block (prefill); the MLA latent cache by the decode kernel,
+its prefill chunks gathering through SDPA. Both kernels write into one output
+tensor: no concatenation.
 """
 from __future__ import annotations
 
@@ -60,11 +60,11 @@ def paged_attention_cpu(
                                 out=out[:nd])
     if not meta.prefills:
         return out
-    if isinstance(cache, DenseKVCache) and cpu_kernel.prefill_supported(q, cache.k, cache.v):
+    if isinstance(cache, (DenseKVCache, QuantizedKVCache)) and cpu_kernel.prefill_supported(q, k_view, v_view):
         key = ("cpu_prefill", num_blocks, block_size)
         if key not in meta.derived:
             meta.derived[key] = cpu_kernel.prefill_indices(meta.prefills, q.shape[0], num_blocks, block_size)
-        cpu_kernel.paged_prefill(q, cache.k, cache.v, meta.derived[key], scale, sliding_window, softcap, out)
+        cpu_kernel.paged_prefill(q, k_view, v_view, meta.derived[key], scale, sliding_window, softcap, out)
     else:
         for chunk in meta.prefills:  # SDPA cannot soft-cap: those chunks take the reference path
             out[chunk.rows] = (prefill_attention(q, cache, chunk, scale, sliding_window, softcap) if softcap

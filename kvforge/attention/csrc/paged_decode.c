@@ -259,6 +259,14 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
 
+/* q . k for 64 fp32 elements held in four vectors each, left as 16 lane sums (two chains, one add). */
+static inline __attribute__((always_inline)) __m512 dot64_lanes(const __m512 *q, const __m512 *k) {
+    __m512 x = _mm512_mul_ps(q[0], k[0]), y = _mm512_mul_ps(q[1], k[1]);
+    x = _mm512_fmadd_ps(q[2], k[2], x);
+    y = _mm512_fmadd_ps(q[3], k[3], y);
+    return _mm512_add_ps(x, y);
+}
+
 /* 64 values of dtype code 0 (fp32) or 1 (bf16) as four fp32 vectors. */
 static inline __attribute__((always_inline)) void load64(const char *p, int code, __m512 *x) {
     if (code == 0) {
@@ -304,13 +312,7 @@ static inline __attribute__((always_inline)) void scores_d64(
 #endif
         __m512 k[4];
         load64(kp, code, k);
-        for (int g = 0; g < G; g++) {
-            __m512 x = _mm512_mul_ps(qf[g][0], k[0]);
-            __m512 y = _mm512_mul_ps(qf[g][1], k[1]);
-            x = _mm512_fmadd_ps(qf[g][2], k[2], x);
-            y = _mm512_fmadd_ps(qf[g][3], k[3], y);
-            part[g * 16 + r] = _mm512_add_ps(x, y);
-        }
+        for (int g = 0; g < G; g++) part[g * 16 + r] = dot64_lanes(qf[g], k);
     }
     const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
     for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(st + g * n + i0, m, reduce16(part + g * 16));
@@ -329,6 +331,83 @@ static inline __attribute__((always_inline)) void values_d64(
         load64(v_cache + slots[i] * v_row + head_off, code, v);
         for (int g = 0; g < G; g++) {
             const __m512 w = _mm512_set1_ps(p[g * n + i]);
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_mem + g * 64 + 16 * c, acc[g][c]);
+}
+
+/* ---- 8-bit rows on the AVX-512 path: int8, fp8 e4m3 and e5m2 with one scale per row -----------------
+ * (token, head or tensor granularity; per-channel scales and int4 take the AVX2 path). 16 codes become
+ * 16 floats in one register (int8: sign-extend + convert; e5m2: the top byte of a half; e4m3: its bits
+ * moved into a half, i.e. the value / 256, as `load8`), and the row's scale multiplies its score (K)
+ * or its probability (V) once instead of its 64 elements, for fp32 and bf16 compute alike: the same
+ * products in another order, so the result differs from dequantize-then-attend by rounding only (bf16
+ * compute: the reference rounds each dequantized element to bf16 first, this path keeps it in fp32). */
+static inline __attribute__((always_inline)) __m512 load16_q8(const char *p, int c, const int code) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p + c);
+    if (code == KVF_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    if (code == KVF_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7); /* KVF_E4M3: s eeee mmm -> half / 256 */
+    return _mm512_cvtph_ps(_mm256_and_si256(h, _mm256_set1_epi16((short)0xBF80)));
+}
+
+/* The factor row `slot`, head h owes: its scale (x 256 for e4m3, whose codes load as value / 256). */
+static inline __attribute__((always_inline)) float q8_factor(const kvf_kv *op, int64_t slot, int64_t h) {
+    const float s = op->gran == KVF_SCALE_TENSOR ? op->scale[0]
+                    : op->gran == KVF_SCALE_TOKEN ? op->scale[slot] : op->scale[slot * op->heads + h];
+    return op->code == KVF_E4M3 ? s * 256.f : s;
+}
+
+/* True when the AVX-512 8-bit path reads this operand (head size 64 checked by the caller). */
+static int q8_reads(const kvf_kv *op, int compute) {
+    return (op->code == KVF_INT8 || op->code == KVF_E4M3 || op->code == KVF_E5M2) && compute != 2 &&
+           (op->gran == KVF_SCALE_TENSOR || op->gran == KVF_SCALE_TOKEN || op->gran == KVF_SCALE_HEAD);
+}
+
+/* Scores of rows [i0, i0 + cnt) (cnt <= 16) of KV head h against its G query heads (fp32, 4 vectors a
+ * head at qs) into st[g * n + i], as `scores_d64` with the rows' factors applied to the sums. */
+static inline __attribute__((always_inline)) void scores_q8(
+    const float *qs, const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h,
+    float *st, const int G, const int code) {
+    __m512 part[8 * 16], qf[8][4];
+    float fr[16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) qf[g][c] = _mm512_loadu_ps(qs + g * 64 + 16 * c);
+    for (int r = 0; r < 16; r++) {
+        if (r >= cnt) {
+            fr[r] = 0.f;
+            for (int g = 0; g < G; g++) part[g * 16 + r] = _mm512_setzero_ps();
+            continue;
+        }
+        const int64_t slot = slots[i0 + r];
+        const char *kp = K->data + slot * K->row_bytes + h * K->head_bytes;
+        fr[r] = q8_factor(K, slot, h);
+        __m512 k[4];
+        for (int c = 0; c < 4; c++) k[c] = load16_q8(kp, c, code);
+        for (int g = 0; g < G; g++) part[g * 16 + r] = dot64_lanes(qf[g], k);
+    }
+    const __m512 fv = _mm512_loadu_ps(fr);
+    const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
+    for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(st + g * n + i0, m, _mm512_mul_ps(reduce16(part + g * 16), fv));
+}
+
+/* acc[g] += sum over rows [i0, i0 + cnt) of p[g * n + i] * factor_i * codes_i for KV head h. */
+static inline __attribute__((always_inline)) void values_q8(
+    const float *p, const kvf_kv *V, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h,
+    float *acc_mem, const int G, const int code) {
+    __m512 acc[8][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * 64 + 16 * c);
+    for (int64_t i = i0; i < i0 + cnt; i++) {
+        const int64_t slot = slots[i];
+        const char *vp = V->data + slot * V->row_bytes + h * V->head_bytes;
+        const float f = q8_factor(V, slot, h);
+        __m512 v[4];
+        for (int c = 0; c < 4; c++) v[c] = load16_q8(vp, c, code);
+        for (int g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * n + i] * f);
             for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
         }
     }
@@ -408,6 +487,20 @@ static inline void unpermute_d64(float *a) {
     case 6: CALL(6); break;     \
     case 7: CALL(7); break;     \
     default: CALL(8); break;    \
+    }
+
+/* An 8-bit storage code as the compile-time constant `zcode` in each branch (straight-line decode per
+ * format), then G as in KVF_DISPATCH_G. */
+#define KVF_DISPATCH_Q8(CODE, CALL)         \
+    if ((CODE) == KVF_INT8) {               \
+        const int zcode = KVF_INT8;         \
+        KVF_DISPATCH_G(G, CALL)             \
+    } else if ((CODE) == KVF_E4M3) {        \
+        const int zcode = KVF_E4M3;         \
+        KVF_DISPATCH_G(G, CALL)             \
+    } else {                                \
+        const int zcode = KVF_E5M2;         \
+        KVF_DISPATCH_G(G, CALL)             \
     }
 
 /* ---- the AVX2 + FMA path (CPUs without AVX-512, and compressed operands on CPUs with it) ----------
@@ -688,14 +781,17 @@ int kvf_paged_decode(
             /* Head size 64 with up to 8 query heads per KV head, fp32 or bf16: the AVX-512 path. */
 #ifdef KVF_HAVE_AVX512
             const int fast = dense && D == 64 && DV == 64 && G <= 8 && dtype_code != 2;
+            /* 8-bit rows with one scale per row: the AVX-512 8-bit path, K and V each on its own */
+            const int zk = !fast && D == 64 && DV == 64 && G <= 8 && q8_reads(K, dtype_code);
+            const int zv = !fast && D == 64 && DV == 64 && G <= 8 && q8_reads(V, dtype_code);
 #else
-            const int fast = 0;
+            const int fast = 0, zk = 0, zv = 0;
 #endif
             /* What AVX-512 does not take (everything without it; compressed operands with it), AVX2
              * does at head size 64, K and V each as its storage allows. */
 #ifdef KVF_HAVE_AVX2
             const int avx2 = !fast && D == 64 && DV == 64 && G <= 8;
-            const int fast_k = avx2 && avx2_reads(K, dtype_code), fast_v = avx2 && avx2_reads(V, dtype_code);
+            const int fast_k = avx2 && !zk && avx2_reads(K, dtype_code), fast_v = avx2 && !zv && avx2_reads(V, dtype_code);
 #else
             const int fast_k = 0, fast_v = 0;
 #endif
@@ -713,6 +809,19 @@ int kvf_paged_decode(
                         const size_t off = (size_t)(kv0 + j) * D * esz;
 #define KVF_SCORES(GC) scores_d64(qp, (const char *)k_cache, slots, i0, cnt, n, k_row, off, dtype_code, scores + (j * G) * n, GC)
                         KVF_DISPATCH_G(G, KVF_SCORES)
+#undef KVF_SCORES
+                    }
+                }
+#endif
+            } else if (zk) {
+#ifdef KVF_HAVE_AVX512
+                prefetch_rows(K->data, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, k_row);
+                for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                    const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+                    if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(K->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, k_row);
+                    for (int64_t j = 0; j < heads_per_item; j++) {
+#define KVF_SCORES(GC) scores_q8(qf + j * G * 64, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode)
+                        KVF_DISPATCH_Q8(K->code, KVF_SCORES)
 #undef KVF_SCORES
                     }
                 }
@@ -806,6 +915,20 @@ int kvf_paged_decode(
                     for (int64_t h = 0; h < NH; h++) unpermute_d64(acc + h * DV);
 #endif
 #endif
+            } else if (zv) {
+#ifdef KVF_HAVE_AVX512
+                memset(acc, 0, sizeof(float) * NH * DV);
+                prefetch_rows(V->data, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, v_row);
+                for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                    const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+                    if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
+                    for (int64_t j = 0; j < heads_per_item; j++) {
+#define KVF_VALUES(GC) values_q8(scores + (j * G) * n, V, slots, i0, cnt, n, kv0 + j, acc + (j * G) * DV, GC, zcode)
+                        KVF_DISPATCH_Q8(V->code, KVF_VALUES)
+#undef KVF_VALUES
+                    }
+                }
+#endif
             } else if (fast_v) {
 #ifdef KVF_HAVE_AVX2
                 memset(acc, 0, sizeof(float) * NH * DV);
@@ -868,7 +991,10 @@ int kvf_paged_decode(
  * with an online softmax (running max and sum per query vector, fp32).
  *
  * Head size 64 (K and V) and at most 8 query heads per KV head; AVX-512 only (the caller checks
- * `kvf_paged_prefill_supported`). bf16 scores use VDPBF16PS on bf16 query/key pairs.
+ * `kvf_paged_prefill_supported`). bf16 scores use VDPBF16PS on bf16 query/key pairs. K and V are
+ * `kvf_kv` operands like the decode kernel's: compressed rows (fp8, int8, int4, any scale granularity,
+ * K/V split) are decoded in the block loop, once per 16 keys for all the item's query vectors, so a
+ * quantized cache's prefill no longer gathers and dequantizes the whole context for SDPA.
  *
  *   q    [T, H, 64] (rows of the whole step; chunk c holds rows row0[c] .. row0[c] + qlen[c] - 1)
  *   out  [T, H, 64] (only the chunks' rows are written)
@@ -914,18 +1040,24 @@ static int by_cost_desc(const void *a, const void *b) {
 
 /* One item: query tokens [t0, t1) of chunk c against KV head j, all G query heads of the group. */
 static inline __attribute__((always_inline)) void prefill_item_run(
-    const prefill_item *it, const char *q, const char *k_cache, const char *v_cache, const int64_t *table,
-    int64_t row0, int64_t start, char *out, int64_t H, int64_t HKV, int64_t BS, int64_t window, float scale,
+    const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V, const int64_t *table,
+    int64_t row0, int64_t start, char *out, int64_t H, int64_t BS, int64_t window, float scale,
     float softcap, int code, float *qf, float *acc, float *mrun, float *lrun, __m512 *kt, float *vf, const int G) {
     const size_t esz = code == 0 ? 4 : 2;
-    const size_t row_bytes = (size_t)HKV * 64 * esz; /* one token, all KV heads */
-    const size_t head_off = (size_t)it->kv_head * 64 * esz;
+    const char *k_cache = K->data, *v_cache = V->data;
+    const size_t k_row = (size_t)K->row_bytes, v_row = (size_t)V->row_bytes; /* one token, all KV heads */
+    const size_t k_off = (size_t)(it->kv_head * K->head_bytes), v_off = (size_t)(it->kv_head * V->head_bytes);
+    /* Rows stored in the compute dtype are read as they lie; compressed rows (any format and scale
+     * granularity) are decoded once per 16-key block by `kv_row`, exactly as the decode kernel's portable
+     * loops and the reference dequantize them, and then shared by the item's query vectors. */
+    const int dense_k = K->code == code && K->gran == KVF_SCALE_NONE, dense_v = V->code == code && V->gran == KVF_SCALE_NONE;
     const int64_t nt = it->t1 - it->t0, nv = nt * G;
     const int use_dp = 0
 #if defined(__AVX512BF16__)
         || code == 1
 #endif
         ;
+    float kdec[64] __attribute__((aligned(64)));
     /* Queries as fp32 (or, for VDPBF16PS, kept as their bf16 pairs in place: 32 dwords a vector). */
     for (int64_t tt = 0; tt < nt; tt++)
         for (int g = 0; g < G; g++) {
@@ -950,13 +1082,32 @@ static inline __attribute__((always_inline)) void prefill_item_run(
         /* The 16 key rows of this head, transposed: kt[d] = 16 keys' element d (fp32 path), or
          * kt[dp] = 16 keys' bf16 pair dp (VDPBF16PS path). V rows widened to fp32 in vf. */
         const char *krow[16], *vrow[16];
+        int64_t kslot[16];
         for (int r = 0; r < 16; r++) {
             const int64_t key = kb + (r < cnt ? r : 0);
             const int64_t slot = table[key / BS] * BS + key % BS;
-            krow[r] = k_cache + slot * row_bytes + head_off;
-            vrow[r] = v_cache + slot * row_bytes + head_off;
+            krow[r] = k_cache + slot * k_row + k_off;
+            vrow[r] = v_cache + slot * v_row + v_off;
+            kslot[r] = slot;
         }
-        if (use_dp) {
+        if (!dense_k) {
+            /* decoded rows hold values of the compute dtype: for bf16 they convert back to bf16 exactly,
+             * and take the VDPBF16PS layout of stored bf16 rows (pairs of elements per 32-bit lane) */
+            for (int r = 0; r < 16; r++) {
+                const float *x = r < cnt ? kv_row(kdec, K, kslot[r], it->kv_head, 64, BS, code) : NULL;
+#if defined(__AVX512BF16__)
+                if (use_dp) {
+                    for (int half = 0; half < 2; half++)
+                        kt[half * 16 + r] = x ? (__m512)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * half + 16),
+                                                                         _mm512_loadu_ps(x + 32 * half))
+                                              : _mm512_setzero_ps();
+                    continue;
+                }
+#endif
+                for (int c = 0; c < 4; c++) kt[c * 16 + r] = x ? _mm512_loadu_ps(x + 16 * c) : _mm512_setzero_ps();
+            }
+            for (int c = 0; c < (use_dp ? 2 : 4); c++) transpose16(kt + c * 16);
+        } else if (use_dp) {
             for (int half = 0; half < 2; half++) {
                 for (int r = 0; r < 16; r++)
                     kt[half * 16 + r] = r < cnt ? _mm512_loadu_ps((const float *)(krow[r] + 64 * half)) : _mm512_setzero_ps();
@@ -979,10 +1130,14 @@ static inline __attribute__((always_inline)) void prefill_item_run(
             }
         }
         for (int r = 0; r < 16; r++) {
-            if (r < cnt)
-                load_row(vf + r * 64, vrow[r], 64, code);
-            else
+            if (r >= cnt) {
                 memset(vf + r * 64, 0, 64 * sizeof(float));
+            } else if (dense_v) {
+                load_row(vf + r * 64, vrow[r], 64, code);
+            } else {
+                const float *x = kv_row(vf + r * 64, V, kslot[r], it->kv_head, 64, BS, code);
+                if (x != vf + r * 64) memcpy(vf + r * 64, x, 64 * sizeof(float));
+            }
         }
         for (int64_t tt = 0; tt < nt; tt++) {
             const int64_t p = p_first + tt; /* this token's position: it sees keys (p - window, p] */
@@ -1073,7 +1228,7 @@ int kvf_paged_prefill_supported(int64_t H, int64_t HKV, int64_t D, int64_t DV, i
 }
 
 int kvf_paged_prefill(
-    const void *q, const void *k_cache, const void *v_cache, const int64_t *tables, int64_t MAXNB,
+    const void *q, const kvf_kv *K, const kvf_kv *V, const int64_t *tables, int64_t MAXNB,
     const int64_t *row0, const int64_t *qlen, const int64_t *start, int64_t C, void *out,
     int64_t H, int64_t HKV, int64_t BS, int64_t window, float scale, float softcap, int dtype_code) {
     if (!kvf_paged_prefill_supported(H, HKV, 64, 64, dtype_code)) return -2;
@@ -1117,8 +1272,8 @@ int kvf_paged_prefill(
             const prefill_item *it = items + i;
             const int64_t c = it->chunk;
 #define KVF_PREFILL(GC)                                                                                        \
-    prefill_item_run(it, (const char *)q, (const char *)k_cache, (const char *)v_cache, tables + c * MAXNB, row0[c], \
-                     start[c], (char *)out, H, HKV, BS, window, scale, softcap, dtype_code, qf, acc, mrun, lrun, kt, vf, GC)
+    prefill_item_run(it, (const char *)q, K, V, tables + c * MAXNB, row0[c], \
+                     start[c], (char *)out, H, BS, window, scale, softcap, dtype_code, qf, acc, mrun, lrun, kt, vf, GC)
             KVF_DISPATCH_G(G, KVF_PREFILL)
 #undef KVF_PREFILL
         }
