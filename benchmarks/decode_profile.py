@@ -13,12 +13,16 @@ with driving `engine.step()` directly, per token.
     python benchmarks/decode_profile.py --dtype float32 bfloat16 [--tokens 64] [--save benchmarks/results/decode_profile.txt]
 
 The timers cost ~1 us per wrapped call (about 0.3 ms a step on the default model); the untimed
-step time is printed too.
+step time is printed too, with the fused decode layers (`kvforge/models/decode_layers.py`: the whole
+layer stack in one C call, the default where it applies) and without them: the per-piece breakdown is
+taken on the Python layers (`KVFORGE_FUSED_LAYERS=0`), since inside the fused call nothing can be timed
+from Python.
 """
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager, redirect_stdout
@@ -123,8 +127,19 @@ def profile(dtype: str, tokens: int, bandwidth: float, model: str | None = None)
     prompt = [(i * 7919) % vocab for i in range(128)]
     decode_steps(llm, prompt[:16], 4)  # warm-up
     plain_s, plain_n = decode_steps(llm, prompt, tokens)
-    with instrumented(llm):
-        total, steps = decode_steps(llm, prompt, tokens)
+    # The per-piece timers need the Python layers: the fused decode layers (models/decode_layers.py) run the
+    # whole stack in one C call. Untimed, both are measured.
+    fused_default = os.environ.get("KVFORGE_FUSED_LAYERS")
+    os.environ["KVFORGE_FUSED_LAYERS"] = "0"
+    try:
+        layers_s, layers_n = decode_steps(llm, prompt, tokens)
+        with instrumented(llm):
+            total, steps = decode_steps(llm, prompt, tokens)
+    finally:
+        if fused_default is None:
+            os.environ.pop("KVFORGE_FUSED_LAYERS")
+        else:
+            os.environ["KVFORGE_FUSED_LAYERS"] = fused_default
     per = {k: v / steps * 1e3 for k, v in TIMES.items()}
     step_ms = total / steps * 1e3
     model_ms = per.get("model forward", 0.0)
@@ -138,8 +153,9 @@ def profile(dtype: str, tokens: int, bandwidth: float, model: str | None = None)
     rows.append(("rest (logits gather, engine glue, timer overhead)", step_ms - accounted))
     out = io.StringIO()
     with redirect_stdout(out):
-        print(f"\n{dtype}: {steps} decode steps, {step_ms:.2f} ms/step timed, {plain_s / plain_n * 1e3:.2f} ms/step "
-              f"untimed = {plain_n / plain_s:.1f} tok/s")
+        print(f"\n{dtype}: {steps} decode steps; untimed {plain_s / plain_n * 1e3:.2f} ms/step = {plain_n / plain_s:.1f} "
+              f"tok/s as shipped (fused decode layers where they apply), {layers_s / layers_n * 1e3:.2f} ms/step with "
+              f"the Python layers (KVFORGE_FUSED_LAYERS=0); timed, Python layers: {step_ms:.2f} ms/step")
         for name, ms in rows:
             print(f"  {name:<52} {ms:7.2f} ms  {ms / step_ms:6.1%}")
         bound = bandwidth * 1e9 / weights

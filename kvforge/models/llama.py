@@ -13,6 +13,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention import paged_attention
 from kvforge.config import ModelConfig
 from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.models.decode_layers import run_decode_layers
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, pack_checkpoint, per_layer_metadata
 from kvforge.models.linear import Linear
 from kvforge.models.moe import DeepseekMoE, is_moe_layer
@@ -95,6 +96,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        fused_out = run_decode_layers(self, x, cos, sin, caches, meta)  # decode steps: one C call, same result
+        if fused_out is not None:
+            return self.model.norm(fused_out)
         metas = per_layer_metadata(meta, len(self.model.layers))
         for layer, cache, layer_meta in zip(self.model.layers, caches, metas):
             x = layer(x, cos, sin, cache, layer_meta)

@@ -1,0 +1,111 @@
+/* A decode step's stack of Llama-style decoder layers in one call (kvforge/models/decode_layers.py).
+ *
+ * Why: with the weights streamed by the panel kernels, a single-stream decode step spends about a third
+ * of its time between kernels: per layer, some fifteen Python calls (modules, views, output tensors,
+ * ctypes argument checks) that each cost microseconds. This file runs the same kernels in the same
+ * order, on the same buffers, from one C loop: RMSNorm, the packed q|k|v panel matmul, rotary on q and
+ * k, the K/V write into the paged cache, paged decode attention, o_proj, the residual add, RMSNorm, the
+ * packed gate|up matmul, SiLU-and-multiply, down_proj, the residual add. The kernels are the ones the
+ * Python path calls (fused ops, panel linears, the CPU decode kernel), reached through function
+ * pointers taken from their own libraries, so every intermediate is rounded exactly as there and the
+ * output is bitwise the same. The residual adds round to the compute dtype as torch's `x + y` does.
+ *
+ * Scope (checked by the caller): decode rows only (a few rows), fp32 or bf16, dense caches in the
+ * compute dtype, no biases, SiLU gate, no per-head q/k norm; one KV cache layout for all layers.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*linear_fn)(const void *x, int64_t M, int64_t K, const void *wp, int64_t N, const void *bias, void *y,
+                          int nthreads);
+typedef void (*rms_norm_fn)(const void *x, int64_t x_stride, const void *w, void *out, int64_t T, int64_t D,
+                            float eps, float offset, int code);
+typedef void (*rotary_fn)(const void *x, int64_t x_stride, const void *cos_, const void *sin_, void *out, int64_t T,
+                          int64_t H, int64_t D, int code);
+typedef void (*silu_mul_fn)(const void *gu, void *out, int64_t T, int64_t I, int code);
+typedef int (*decode_fn)(const void *q, const void *K, const void *V, const int64_t *tables, const int64_t *seq_lens,
+                         void *out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t DV, int64_t BS,
+                         int64_t MAXNB, int64_t window, float scale, float softcap, int dtype_code);
+
+typedef struct {
+    linear_fn linear; /* the panel kernel of the compute dtype */
+    rms_norm_fn rms_norm;
+    rotary_fn rotary;
+    silu_mul_fn silu_mul;
+    decode_fn decode;
+} kvf_layer_fns;
+
+typedef struct {
+    const void *ln1, *ln2;                /* RMSNorm weights [hidden] */
+    const void *wqkv, *wo, *wgu, *wdown;  /* panel-packed weights */
+    const void *k_view, *v_view;          /* the decode kernel's `kvf_kv` operands */
+    void *k_data, *v_data;                /* the same pools, [NB, BS, HKV, D] contiguous, for the writes */
+    int64_t window;                       /* sliding window (0: none) */
+} kvf_layer;
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* x += y elementwise, rounded to the compute dtype like torch's `x + y`. */
+static void residual_add(void *x, const void *y, int64_t n, int code) {
+    if (code == 0) {
+        float *a = (float *)x;
+        const float *b = (const float *)y;
+        for (int64_t i = 0; i < n; i++) a[i] = a[i] + b[i];
+    } else {
+        uint16_t *a = (uint16_t *)x;
+        const uint16_t *b = (const uint16_t *)y;
+        for (int64_t i = 0; i < n; i++) a[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+    }
+}
+
+/* x [M, hidden] (updated in place) through L layers. cos/sin [M, D]; slots [M]: where each row's K/V go;
+ * tables [M, MAXNB] / seq_lens [M]: the decode kernel's checked indices. Returns 0, -1 when scratch could
+ * not be allocated, or the decode kernel's error code. */
+int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t L, void *x, int64_t M,
+                      int64_t hidden, int64_t H, int64_t HKV, int64_t D, int64_t inter, const void *cos_,
+                      const void *sin_, const int64_t *slots, const int64_t *tables, const int64_t *seq_lens,
+                      int64_t BS, int64_t MAXNB, float scale, float eps, int code, int nthreads) {
+    const size_t esz = code == 0 ? 4 : 2;
+    const int64_t qsz = H * D, kvsz = HKV * D, nqkv = qsz + 2 * kvsz;
+    char *h = malloc(esz * M * hidden), *qkv = malloc(esz * M * nqkv), *q = malloc(esz * M * qsz);
+    char *k = malloc(esz * M * kvsz), *att = malloc(esz * M * qsz), *o = malloc(esz * M * hidden);
+    char *gu = malloc(esz * M * 2 * inter), *act = malloc(esz * M * inter);
+    int rc = (h && qkv && q && k && att && o && gu && act) ? 0 : -1;
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const kvf_layer *ly = layers + l;
+        fn->rms_norm(x, hidden, ly->ln1, h, M, hidden, eps, 0.f, code);
+        fn->linear(h, M, hidden, ly->wqkv, nqkv, NULL, qkv, nthreads);
+        fn->rotary(qkv, nqkv, cos_, sin_, q, M, H, D, code);
+        fn->rotary(qkv + qsz * esz, nqkv, cos_, sin_, k, M, HKV, D, code);
+        for (int64_t r = 0; r < M; r++) { /* the cache write: rotated K, and V as the matmul left it */
+            memcpy((char *)ly->k_data + slots[r] * kvsz * esz, k + r * kvsz * esz, kvsz * esz);
+            memcpy((char *)ly->v_data + slots[r] * kvsz * esz, qkv + (r * nqkv + qsz + kvsz) * esz, kvsz * esz);
+        }
+        rc = fn->decode(q, ly->k_view, ly->v_view, tables, seq_lens, att, M, H, HKV, D, D, BS, MAXNB, ly->window,
+                        scale, 0.f, code);
+        if (rc) break;
+        fn->linear(att, M, qsz, ly->wo, hidden, NULL, o, nthreads);
+        residual_add(x, o, M * hidden, code);
+        fn->rms_norm(x, hidden, ly->ln2, h, M, hidden, eps, 0.f, code);
+        fn->linear(h, M, hidden, ly->wgu, 2 * inter, NULL, gu, nthreads);
+        fn->silu_mul(gu, act, M, inter, code);
+        fn->linear(act, M, inter, ly->wdown, hidden, NULL, o, nthreads);
+        residual_add(x, o, M * hidden, code);
+    }
+    free(h), free(qkv), free(q), free(k), free(att), free(o), free(gu), free(act);
+    return rc;
+}

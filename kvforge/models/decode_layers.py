@@ -1,0 +1,183 @@
+"""A decode step's decoder layers in one C call (`csrc/decode_layers.c`), for Llama-style models.
+
+Why: once the panel kernels stream the weights at memory speed, a single-stream decode step spends
+about a third of its time between kernels, in some fifteen Python calls per layer (module calls, views,
+output tensors, ctypes argument checks). `run_decode_layers` hands the whole stack to one C loop that
+calls the very kernels the Python path calls (fused RMSNorm / rotary / SiLU-and-multiply, the panel
+linears, the CPU decode kernel), in the same order, so the hidden states are bitwise those of the
+Python path; `tests/test_decode_layers.py` checks that, and greedy tokens against transformers stay
+as they were.
+
+It applies to steps of decode rows only, no more rows than the panel kernels take (all of them with
+`KVFORGE_LINEAR=panel`, `PANEL_DECODE_ROWS` with `both`), fp32 or bf16, dense KV caches read by the
+CPU decode kernel, one metadata for every layer, no attention-mass scoring (KV eviction), and models
+whose layers are plain `LlamaDecoderLayer`s: packed q|k|v and gate|up without biases, SiLU, no q/k
+norm, no MoE. Anything else returns None and the model runs its Python layers.
+`KVFORGE_FUSED_LAYERS=0` turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import torch
+
+from kvforge.attention import cpu_kernel
+from kvforge.attention.metadata import AttentionMetadata
+from kvforge.kv.cache_tensors import DenseKVCache
+from kvforge.models import fused, panel_linear
+from kvforge.models.layers import GatedMLP
+from kvforge.models.linear import PANEL_DECODE_ROWS, Linear
+from kvforge.native import NativeLibrary
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Fns(ctypes.Structure):
+    _fields_ = [("linear", _P), ("rms_norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("ln1", _P), ("ln2", _P), ("wqkv", _P), ("wo", _P), ("wgu", _P), ("wdown", _P),
+                ("k_view", _P), ("v_view", _P), ("k_data", _P), ("v_data", _P), ("window", _I)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.kvf_decode_layers.restype = ctypes.c_int
+    lib.kvf_decode_layers.argtypes = ([ctypes.POINTER(_Fns), ctypes.POINTER(_Layer), _I, _P] + [_I] * 6
+                                      + [_P] * 5 + [_I, _I, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+
+
+LIBRARY = NativeLibrary(
+    Path(__file__).parent / "csrc" / "decode_layers.c", "KVFORGE_FUSED_LAYERS", "the fused decode layers", _declare,
+)
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
+
+
+def _layer_linears(layer: torch.nn.Module) -> list[Linear] | None:
+    """The layer's four matmuls, when the layer is the plain Llama shape this path runs."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if (attn is None or type(mlp) is not GatedMLP or not mlp.fused_silu or attn.q_norm is not None
+            or getattr(layer, "input_layernorm", None) is None or layer.input_layernorm.offset
+            or layer.post_attention_layernorm.offset):
+        return None
+    linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    if any(type(m) is not Linear or m.bias is not None or m.panel_weight is None for m in linears):
+        return None
+    return linears
+
+
+class _Plan:
+    """What one model's stack needs, built once: per-layer pointers and the kernels' entry points."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        layers = model.model.layers
+        self.linears = [_layer_linears(layer) for layer in layers]
+        self.ok = all(ls is not None and all(m.panel_weight.dtype == dtype for m in ls) for ls in self.linears)
+        if not self.ok:
+            return
+        attn = layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.scale
+        self.hidden = attn.qkv_proj.panel_weight.k
+        self.inter = layers[0].mlp.down_proj.panel_weight.k
+        self.eps = layers[0].input_layernorm.eps
+        self.windows = [layer.self_attn.sliding_window or 0 for layer in layers]
+        self.ok = (all(layer.input_layernorm.eps == self.eps and layer.post_attention_layernorm.eps == self.eps
+                       for layer in layers)
+                   and all((layer.self_attn.num_heads, layer.self_attn.num_kv_heads, layer.self_attn.head_dim)
+                           == (self.heads, self.kv_heads, self.head_dim) for layer in layers))
+        # with a oneDNN layout beside the panel one, more rows than this go to oneDNN in the Python path
+        self.max_rows = (PANEL_DECODE_ROWS if any(m.onednn_weight is not None for ls in self.linears for m in ls)
+                         else 1 << 30)
+        self.norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
+        self.ok = self.ok and all(w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu"
+                                  for pair in self.norms for w in pair)
+        self.caches_key: tuple | None = None
+        self.table: ctypes.Array | None = None
+        self.keep: list = []
+
+
+def _enabled() -> bool:
+    return os.environ.get("KVFORGE_FUSED_LAYERS", "1") != "0"
+
+
+def _fns(dtype: torch.dtype) -> _Fns | None:
+    lin = panel_linear.LIBRARY.load() if dtype == torch.float32 else panel_linear.LIBRARY_BF16.load()
+    ops, dec = fused.LIBRARY.load(), cpu_kernel.LIBRARY.load()
+    if lin is None or ops is None or dec is None:
+        return None
+    return _Fns(_address(lin, "kvf_panel_linear" if dtype == torch.float32 else "kvf_panel_linear_bf16"),
+                _address(ops, "kvf_rms_norm"), _address(ops, "kvf_rotary"), _address(ops, "kvf_silu_mul"),
+                _address(dec, "kvf_paged_decode"))
+
+
+def run_decode_layers(
+    model: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list,
+    meta: AttentionMetadata | list,
+) -> torch.Tensor | None:
+    """x [M, hidden] after every decoder layer, computed in one C call; None when this step or model is
+    outside the fused path's reach (the caller then runs its layers in Python)."""
+    if not _enabled() or isinstance(meta, list) or meta.prefills or meta.attention_mass is not None:
+        return None
+    m = x.shape[0]
+    if (meta.num_decodes != m or m == 0 or meta.backend not in ("cpu", "auto") or x.dtype not in
+            (torch.float32, torch.bfloat16) or x.device.type != "cpu" or torch.is_grad_enabled()):
+        return None
+    plan = model.__dict__.get("_fused_decode_plan")  # built once per model (not a module attribute)
+    if plan is None or plan.dtype != x.dtype:
+        plan = model.__dict__["_fused_decode_plan"] = _Plan(model, x.dtype)
+    if not plan.ok or m > plan.max_rows:
+        return None
+    lib = LIBRARY.load()
+    fns = _fns(x.dtype)
+    if lib is None or fns is None:
+        return None
+    if not _bind_caches(plan, caches, x.dtype):
+        return None
+    first = caches[0]
+    key = ("cpu_decode", first.num_blocks, first.block_size)
+    if key not in meta.derived:  # the same checked indices the Python path's attention layers share
+        meta.derived[key] = cpu_kernel.decode_indices(meta.decode_block_tables, meta.decode_seq_lens,
+                                                      first.num_blocks, first.block_size)
+    idx = meta.derived[key]
+    x = x.contiguous().clone()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    slots = meta.slot_mapping.to(torch.int64).contiguous()
+    rc = lib.kvf_decode_layers(
+        ctypes.byref(fns), plan.table, len(plan.linears), x.data_ptr(), m, plan.hidden, plan.heads, plan.kv_heads,
+        plan.head_dim, plan.inter, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), idx.tables.data_ptr(),
+        idx.seq_lens.data_ptr(), first.block_size, idx.tables.shape[1], plan.scale, plan.eps,
+        0 if x.dtype == torch.float32 else 1, torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("the fused decode layers could not allocate their scratch buffers")
+    return x
+
+
+def _bind_caches(plan: _Plan, caches: list, dtype: torch.dtype) -> bool:
+    """Point the per-layer table at these caches (rebuilt only when the cache tensors change)."""
+    if len(caches) != len(plan.linears) or not all(
+            type(c) is DenseKVCache and c.k.dtype == dtype and c.v.dtype == dtype and c.k.is_contiguous()
+            and c.v.is_contiguous() and c.k.shape[2:] == (plan.kv_heads, plan.head_dim)
+            and c.v.shape[2:] == (plan.kv_heads, plan.head_dim) and c.num_blocks == caches[0].num_blocks
+            and c.block_size == caches[0].block_size for c in caches):
+        return False
+    key = tuple((c.k.data_ptr(), c.v.data_ptr()) for c in caches)
+    if key == plan.caches_key:
+        return True
+    keep, rows = [], []
+    for linears, (ln1, ln2), window, cache in zip(plan.linears, plan.norms, plan.windows, caches):
+        kv = (cpu_kernel.dense_view(cache.k).struct(), cpu_kernel.dense_view(cache.v).struct())
+        keep.append(kv)
+        wqkv, wo, wgu, wdown = (lin.panel_weight.packed.data_ptr() for lin in linears)
+        rows.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), wqkv, wo, wgu, wdown, ctypes.addressof(kv[0]),
+                           ctypes.addressof(kv[1]), cache.k.data_ptr(), cache.v.data_ptr(), window))
+    plan.table = (_Layer * len(rows))(*rows)
+    plan.keep, plan.caches_key = keep, key
+    return True

@@ -1,0 +1,59 @@
+"""The fused decode layers (`kvforge/models/decode_layers.py`): one C call per decode step gives bitwise the
+hidden states of the Python layers, in fp32 and bf16, with the panel layout alone or beside oneDNN's, and
+steps or models outside its reach run the Python layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.attention import cpu_kernel
+from kvforge.models import decode_layers, llama, panel_linear
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_kernel.available() and panel_linear.available() and decode_layers.LIBRARY.load() is not None),
+    reason="needs the C kernels")
+
+PROMPTS = [[(7 * i + 3) % 250 + 1 for i in range(n)] for n in (9, 40, 23)]
+
+
+def _run(path, monkeypatch, fused: bool, dtype: str, backend: str, max_num_seqs: int, **kwargs):
+    """Greedy tokens, the final norm's inputs of every step, and how many steps the fused path served."""
+    from kvforge import LLM, SamplingParams
+
+    monkeypatch.setenv("KVFORGE_FUSED_LAYERS", "1" if fused else "0")
+    monkeypatch.setenv("KVFORGE_LINEAR", backend)
+    served = []
+    real = decode_layers.run_decode_layers
+    monkeypatch.setattr(llama, "run_decode_layers", lambda *a: served.append(real(*a)) or served[-1])
+    llm = LLM(model=path, dtype=dtype, log_ledger=False, num_kv_blocks=64, max_num_seqs=max_num_seqs, **kwargs)
+    hidden = []
+    llm.engine.runner.model.model.norm.register_forward_hook(lambda m, args, out: hidden.append(args[0].clone()))
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(temperature=0, max_tokens=10,
+                                                                                 ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs], hidden, sum(x is not None for x in served)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend,max_num_seqs", [("panel", 8), ("both", 1), ("both", 8)])
+@pytest.mark.parametrize("family", ["llama_d64", "llama_gqa"])
+def test_fused_steps_equal_the_python_layers_bitwise(tiny_model_factory, monkeypatch, dtype, backend, max_num_seqs,
+                                                     family):
+    if dtype == "bfloat16" and (backend == "panel" or not panel_linear.simd(torch.bfloat16)):
+        pytest.skip("bf16 weights get a panel layout only with `both` on AVX512-BF16 CPUs")
+    path, _ = tiny_model_factory(family)
+    tokens, hidden, served = _run(path, monkeypatch, True, dtype, backend, max_num_seqs)
+    ref_tokens, ref_hidden, ref_served = _run(path, monkeypatch, False, dtype, backend, max_num_seqs)
+    assert served > 0 and ref_served == 0
+    assert tokens == ref_tokens
+    assert len(hidden) == len(ref_hidden) and all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+
+
+def test_steps_outside_its_reach_run_the_python_layers(tiny_model_factory, monkeypatch):
+    """Quantized caches, KV eviction's attention scoring, and oneDNN-only weights: never served (the
+    prefill steps never are either: served counts decode steps only)."""
+    path, _ = tiny_model_factory("llama_d64")
+    for backend, kwargs in (("panel", {"kv_cache_dtype": "int8"}),
+                            ("panel", {"kv_eviction": "h2o", "kv_budget": 32}),
+                            ("onednn", {})):
+        _, _, served = _run(path, monkeypatch, True, "float32", backend, 8, **kwargs)
+        assert served == 0, (backend, kwargs)
