@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.cache_tensors import gather_blocks
+from kvforge.kv.quant_kernel import quantize_rows
 from kvforge.kv.quant import (
     ABSMAX_FLOOR,
     QuantFormat,
@@ -104,7 +105,11 @@ class QuantStore:
         if self.granularity == "tensor":
             if self.static_scale is None:
                 self.static_scale = absmax_scales(x, "tensor", self.fmt)
-            flat.index_copy_(0, slots, quantize(x, self.static_scale, self.fmt))
+            if not quantize_rows(x, slots, flat, None, self.fmt.name, "tensor", float(self.static_scale)):
+                flat.index_copy_(0, slots, quantize(x, self.static_scale, self.fmt))
+            return
+        scales_flat = self.block_scales.view(-1, *self.block_scales.shape[2:])
+        if quantize_rows(x, slots, flat, scales_flat, self.fmt.name, self.granularity):  # one C pass, same bits
             return
         scale = absmax_scales(x, self.granularity, self.fmt)  # [N] or [N, H]
         flat.index_copy_(0, slots, quantize(x, expand_scale(scale, self.granularity), self.fmt))

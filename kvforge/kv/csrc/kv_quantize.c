@@ -1,0 +1,89 @@
+/* Quantize-on-write for the KV cache (kvforge/kv/quant_kernel.py): rows of new K or V in the compute
+ * dtype -> 8-bit codes (int8, fp8 e4m3, fp8 e5m2) and their scales, written at their slots in the pool.
+ *
+ * Why: the torch expression (`quant.absmax_scales` + `quant.quantize` + two index_copy_) is some ten
+ * small ops per K or V per layer, about 0.1 ms each call on a decode step's few rows: 1-2 s of a
+ * 20 s batch benchmark. This is the same arithmetic in one pass, element by element as torch does it:
+ * absmax in fp32, scale = max(absmax, 1e-12) / qmax (fp32 division), y = clamp(x / scale, -qmax, qmax)
+ * (fp32 division), then int8 by round-half-to-even, or fp8 by round-to-nearest-even with torch's
+ * float8_e4m3fn / float8_e5m2 bit layouts. So the codes and scales are bitwise torch's (the tests
+ * compare them).
+ *
+ *   x      [N, H, D] compute dtype (0 fp32, 1 bf16, 2 fp16), contiguous
+ *   codes  the pool's codes, [slots, H, D] uint8; row n goes to slots[n]
+ *   scales token: [slots] float32; head: [slots, H] float32; tensor: NULL (static_scale used)
+ * fmt: 3 fp8 e4m3, 4 fp8 e5m2, 5 int8 (the decode kernel's format codes); gran: 1 tensor, 2 token, 3 head.
+ * NaN inputs are the one difference from torch: its amax propagates them, fmaxf skips them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float load(const void *p, int64_t i, int code) {
+    if (code == 0) return ((const float *)p)[i];
+    if (code == 1) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return (float)((const _Float16 *)p)[i];
+}
+
+/* |f| <= the format's max (the caller clamps), round to nearest even, as c10's fp8 conversions. */
+static inline uint8_t to_fp8(float f, int mbits, int bias) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7f); /* NaN (e4m3fn 0x7f; e5m2 0x7f is a NaN too) */
+    if (a == 0) return sign;
+    const int emin = 1 - bias; /* smallest normal exponent */
+    const int e = (int)(a >> 23) - 127;
+    if (e >= emin) {
+        const int shift = 23 - mbits;
+        const uint32_t r = a + ((1u << (shift - 1)) - 1u) + ((a >> shift) & 1u); /* RNE on the magnitude */
+        const int e2 = (int)(r >> 23) - 127;
+        const uint32_t m = (r >> shift) & ((1u << mbits) - 1u);
+        return (uint8_t)(sign | (uint32_t)((e2 + bias) << mbits) | m);
+    }
+    /* subnormal: value = m * 2^(emin - mbits); exact power-of-two scaling, then RNE to an integer */
+    const float q = ldexpf(fabsf(f), mbits - emin);
+    const uint32_t m = (uint32_t)nearbyintf(q); /* may reach 1 << mbits: the smallest normal, same bits */
+    return (uint8_t)(sign | m);
+}
+
+void kvf_quantize_rows(const void *x, int64_t N, int64_t H, int64_t D, int code, int fmt, int gran,
+                       float static_scale, const int64_t *slots, uint8_t *codes, float *scales) {
+    const float qmax = fmt == 5 ? 127.f : fmt == 3 ? 448.f : 57344.f;
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t base = n * H * D;
+        float tok_scale = static_scale;
+        if (gran == 2) {
+            float m = 0.f;
+            for (int64_t i = 0; i < H * D; i++) m = fmaxf(m, fabsf(load(x, base + i, code)));
+            tok_scale = fmaxf(m, 1e-12f) / qmax;
+            scales[slots[n]] = tok_scale;
+        }
+        uint8_t *out = codes + slots[n] * H * D;
+        for (int64_t h = 0; h < H; h++) {
+            float s = tok_scale;
+            if (gran == 3) {
+                float m = 0.f;
+                for (int64_t d = 0; d < D; d++) m = fmaxf(m, fabsf(load(x, base + h * D + d, code)));
+                s = fmaxf(m, 1e-12f) / qmax;
+                scales[slots[n] * H + h] = s;
+            }
+            for (int64_t d = 0; d < D; d++) {
+                float y = load(x, base + h * D + d, code) / s;
+                y = y < -qmax ? -qmax : y > qmax ? qmax : y; /* NaN stays NaN */
+                uint8_t c;
+                if (fmt == 5)
+                    c = (uint8_t)(int8_t)nearbyintf(y);
+                else
+                    c = fmt == 3 ? to_fp8(y, 3, 7) : to_fp8(y, 2, 15);
+                out[h * D + d] = c;
+            }
+        }
+    }
+}

@@ -1,0 +1,78 @@
+"""The C quantize-on-write (`kvforge/kv/quant_kernel.py`) gives bitwise torch's codes and scales
+(`quant.absmax_scales` + `quant.quantize`) for int8 and both fp8 formats, per token, head and tensor, in
+fp32, bf16 and fp16, including fp8 subnormals, ties and saturation; the store uses it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvforge.kv import quant, quant_kernel
+from kvforge.kv.kv_stores import QuantStore
+
+pytestmark = pytest.mark.skipif(quant_kernel.LIBRARY.load() is None, reason=f"{quant_kernel.LIBRARY.error}")
+
+
+def _torch_codes(x, fmt, gran, static=None):
+    scale = static if gran == "tensor" else quant.absmax_scales(x, gran, fmt)
+    return quant.quantize(x, quant.expand_scale(scale, gran), fmt), scale
+
+
+def _values(g):
+    """Rows mixing ordinary values, tiny ones (fp8 subnormals after scaling), exact ties, zeros."""
+    x = torch.randn(37, 3, 64, generator=g) * torch.logspace(-6, 3, 37)[:, None, None]
+    x[5] = 0.0
+    x[6, :, ::3] *= 1e-4  # far below the row's absmax: subnormal codes
+    x[7] = torch.arange(64, dtype=torch.float32) / 8 - 4  # many exact round-half cases
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("gran", ["token", "head", "tensor"])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_codes_and_scales_are_torchs_bitwise(name, gran, dtype):
+    fmt = quant.get_format(name)
+    g = torch.Generator().manual_seed(0)
+    x = _values(g).to(dtype)
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    static = quant.absmax_scales(x, "tensor", fmt) * 0.5 if gran == "tensor" else None  # half: saturation too
+    want, want_scale = _torch_codes(x, fmt, gran, static)
+    slots = torch.randperm(64, generator=g)[: x.shape[0]]
+    codes = torch.zeros(64, 3, 64, dtype=torch.uint8)
+    scales = None if gran == "tensor" else torch.zeros((64,) if gran == "token" else (64, 3))
+    assert quant_kernel.quantize_rows(x, slots, codes, scales, name, gran, float(static) if static is not None else 1.0)
+    assert torch.equal(codes[slots], want)
+    if scales is not None:
+        assert torch.equal(scales[slots], want_scale)
+
+
+def test_every_fp8_code_round_trips():
+    """Each finite fp8 value, and the midpoints between neighbours (ties), converts as torch does."""
+    for name, dt in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        vals = torch.arange(256, dtype=torch.uint8).view(dt).float()
+        vals = vals[torch.isfinite(vals)].unique()
+        mids = (vals[1:] + vals[:-1]) / 2
+        x = torch.cat([vals, mids]).view(-1, 1, 1)
+        codes = torch.zeros(x.shape[0], 1, 1, dtype=torch.uint8)
+        assert quant_kernel.quantize_rows(x, torch.arange(x.shape[0]), codes, None, name, "tensor", 1.0)
+        want = x.clamp(-quant.get_format(name).qmax, quant.get_format(name).qmax).to(dt).view(torch.uint8)
+        assert torch.equal(codes, want), name
+
+
+def test_store_writes_through_the_kernel_and_reads_back(monkeypatch):
+    calls = []
+    real = quant_kernel.quantize_rows
+    monkeypatch.setattr("kvforge.kv.kv_stores.quantize_rows", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    fmt = quant.get_format("int8")
+    store = QuantStore(4, 16, 2, 64, fmt, "head", "cpu")
+    x = torch.randn(5, 2, 64)
+    store.write(torch.tensor([3, 17, 18, 40, 63]), x)
+    back = store.gather(torch.tensor([[0, 1, 2, 3]]), torch.float32)[0, [3, 17, 18, 40, 63]]
+    torch.testing.assert_close(back, x, atol=x.abs().max().item() / 127, rtol=0)
+    assert calls == ["int8"]
+
+
+def test_out_of_range_slots_are_refused():
+    codes = torch.zeros(8, 1, 4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out of range"):
+        quant_kernel.quantize_rows(torch.ones(1, 1, 4), torch.tensor([8]), codes, torch.zeros(8), "int8", "token")
