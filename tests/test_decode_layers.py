@@ -48,11 +48,28 @@ def test_fused_steps_equal_the_python_layers_bitwise(tiny_model_factory, monkeyp
     assert len(hidden) == len(ref_hidden) and all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
 
 
-def test_steps_outside_its_reach_run_the_python_layers(tiny_model_factory, monkeypatch):
-    """Quantized caches, KV eviction's attention scoring, and oneDNN-only weights: never served (the
-    prefill steps never are either: served counts decode steps only)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kwargs", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8", "kv_cache_scale": "head"},
+                                    {"k_cache_dtype": "auto", "v_cache_dtype": "fp8_e5m2"}],
+                         ids=["int8-token", "fp8-head", "split"])
+def test_fused_steps_over_8bit_caches_equal_the_python_layers_bitwise(tiny_model_factory, monkeypatch, dtype, kwargs):
+    """8-bit caches are written by the same C quantizer the stores use, and read by the same decode kernel."""
+    backend = "panel" if dtype == "float32" else "both"
+    if dtype == "bfloat16" and not panel_linear.simd(torch.bfloat16):
+        pytest.skip("bf16 weights get a panel layout only with `both` on AVX512-BF16 CPUs")
     path, _ = tiny_model_factory("llama_d64")
-    for backend, kwargs in (("panel", {"kv_cache_dtype": "int8"}),
+    tokens, hidden, served = _run(path, monkeypatch, True, dtype, backend, 8, **kwargs)
+    ref_tokens, ref_hidden, _ = _run(path, monkeypatch, False, dtype, backend, 8, **kwargs)
+    assert served > 0 and tokens == ref_tokens
+    assert len(hidden) == len(ref_hidden) and all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+
+
+def test_steps_outside_its_reach_run_the_python_layers(tiny_model_factory, monkeypatch):
+    """int4 and per-channel caches, KV eviction's attention scoring, and oneDNN-only weights: never served
+    (prefill steps never are either: served counts decode steps only)."""
+    path, _ = tiny_model_factory("llama_d64")
+    for backend, kwargs in (("panel", {"kv_cache_dtype": "int4"}),
+                            ("panel", {"kv_cache_dtype": "int8", "kv_cache_scale": "channel"}),
                             ("panel", {"kv_eviction": "h2o", "kv_budget": 32}),
                             ("onednn", {})):
         _, _, served = _run(path, monkeypatch, True, "float32", backend, 8, **kwargs)

@@ -9,8 +9,9 @@ Python path; `tests/test_decode_layers.py` checks that, and greedy tokens agains
 as they were.
 
 It applies to steps of decode rows only, no more rows than the panel kernels take (all of them with
-`KVFORGE_LINEAR=panel`, `PANEL_DECODE_ROWS` with `both`), fp32 or bf16, dense KV caches read by the
-CPU decode kernel, one metadata for every layer, no attention-mass scoring (KV eviction), and models
+`KVFORGE_LINEAR=panel`, `PANEL_DECODE_ROWS` with `both`), fp32 or bf16, KV caches in the compute dtype
+or 8-bit ones (int8, fp8; per-token, per-head or set per-tensor scales: written by the same C
+quantizer the stores use), read by the CPU decode kernel, one metadata for every layer, no attention-mass scoring (KV eviction), and models
 whose layers are plain `LlamaDecoderLayer`s: packed q|k|v and gate|up without biases, SiLU, no q/k
 norm, no MoE. Anything else returns None and the model runs its Python layers.
 `KVFORGE_FUSED_LAYERS=0` turns it off.
@@ -25,7 +26,10 @@ import torch
 
 from kvforge.attention import cpu_kernel
 from kvforge.attention.metadata import AttentionMetadata
+from kvforge.attention.cpu_paged import kernel_views
+from kvforge.kv import quant_kernel
 from kvforge.kv.cache_tensors import DenseKVCache
+from kvforge.kv.quantized_cache import QuantizedKVCache
 from kvforge.models import fused, panel_linear
 from kvforge.models.layers import GatedMLP
 from kvforge.models.linear import PANEL_DECODE_ROWS, Linear
@@ -35,12 +39,18 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Fns(ctypes.Structure):
-    _fields_ = [("linear", _P), ("rms_norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P)]
+    _fields_ = [("linear", _P), ("rms_norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P), ("quantize", _P)]
+
+
+class _Write(ctypes.Structure):
+    """`kvf_write`: fmt 0 copies rows of the compute dtype, else quant_kernel's format/granularity codes."""
+    _fields_ = [("data", _P), ("scales", _P), ("fmt", ctypes.c_int32), ("gran", ctypes.c_int32),
+                ("static_scale", ctypes.c_float)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("ln1", _P), ("ln2", _P), ("wqkv", _P), ("wo", _P), ("wgu", _P), ("wdown", _P),
-                ("k_view", _P), ("v_view", _P), ("k_data", _P), ("v_data", _P), ("window", _I)]
+                ("k_view", _P), ("v_view", _P), ("k_write", _Write), ("v_write", _Write), ("window", _I)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -101,6 +111,7 @@ class _Plan:
         self.caches_key: tuple | None = None
         self.table: ctypes.Array | None = None
         self.keep: list = []
+        self.num_blocks = self.block_size = 0
 
 
 def _enabled() -> bool:
@@ -112,9 +123,10 @@ def _fns(dtype: torch.dtype) -> _Fns | None:
     ops, dec = fused.LIBRARY.load(), cpu_kernel.LIBRARY.load()
     if lin is None or ops is None or dec is None:
         return None
+    qnt = quant_kernel.LIBRARY.load()  # optional: without it, 8-bit caches keep the Python layers
     return _Fns(_address(lin, "kvf_panel_linear" if dtype == torch.float32 else "kvf_panel_linear_bf16"),
                 _address(ops, "kvf_rms_norm"), _address(ops, "kvf_rotary"), _address(ops, "kvf_silu_mul"),
-                _address(dec, "kvf_paged_decode"))
+                _address(dec, "kvf_paged_decode"), _address(qnt, "kvf_quantize_rows") if qnt is not None else 0)
 
 
 def run_decode_layers(
@@ -138,13 +150,12 @@ def run_decode_layers(
     fns = _fns(x.dtype)
     if lib is None or fns is None:
         return None
-    if not _bind_caches(plan, caches, x.dtype):
+    if not _bind_caches(plan, caches, x.dtype, bool(fns.quantize)):
         return None
-    first = caches[0]
-    key = ("cpu_decode", first.num_blocks, first.block_size)
+    key = ("cpu_decode", plan.num_blocks, plan.block_size)
     if key not in meta.derived:  # the same checked indices the Python path's attention layers share
         meta.derived[key] = cpu_kernel.decode_indices(meta.decode_block_tables, meta.decode_seq_lens,
-                                                      first.num_blocks, first.block_size)
+                                                      plan.num_blocks, plan.block_size)
     idx = meta.derived[key]
     x = x.contiguous().clone()
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -152,7 +163,7 @@ def run_decode_layers(
     rc = lib.kvf_decode_layers(
         ctypes.byref(fns), plan.table, len(plan.linears), x.data_ptr(), m, plan.hidden, plan.heads, plan.kv_heads,
         plan.head_dim, plan.inter, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), idx.tables.data_ptr(),
-        idx.seq_lens.data_ptr(), first.block_size, idx.tables.shape[1], plan.scale, plan.eps,
+        idx.seq_lens.data_ptr(), plan.block_size, idx.tables.shape[1], plan.scale, plan.eps,
         0 if x.dtype == torch.float32 else 1, torch.get_num_threads(),
     )
     if rc != 0:
@@ -160,24 +171,66 @@ def run_decode_layers(
     return x
 
 
-def _bind_caches(plan: _Plan, caches: list, dtype: torch.dtype) -> bool:
-    """Point the per-layer table at these caches (rebuilt only when the cache tensors change)."""
-    if len(caches) != len(plan.linears) or not all(
-            type(c) is DenseKVCache and c.k.dtype == dtype and c.v.dtype == dtype and c.k.is_contiguous()
-            and c.v.is_contiguous() and c.k.shape[2:] == (plan.kv_heads, plan.head_dim)
-            and c.v.shape[2:] == (plan.kv_heads, plan.head_dim) and c.num_blocks == caches[0].num_blocks
-            and c.block_size == caches[0].block_size for c in caches):
+def _write_for(store_or_pool, dtype: torch.dtype) -> _Write | None:
+    """How the C loop writes one of K/V: rows copied (a pool in the compute dtype) or quantized (an 8-bit
+    store with per-token/head scales, or a per-tensor scale already set); None: not here."""
+    if isinstance(store_or_pool, torch.Tensor):
+        data, fmt = store_or_pool, None
+    else:
+        data, fmt = store_or_pool.data, getattr(store_or_pool, "fmt", None)
+    if not data.is_contiguous() or data.device.type != "cpu":
+        return None
+    if fmt is None:
+        return _Write(data.data_ptr(), None, 0, 0, 0.0) if data.dtype == dtype else None
+    gran = store_or_pool.granularity
+    if fmt.name not in quant_kernel.FORMAT_CODES or gran not in quant_kernel.GRANULARITY_CODES:
+        return None
+    if gran == "tensor":
+        if store_or_pool.static_scale is None:
+            return None  # the first write calibrates it: the Python store does that one
+        return _Write(data.data_ptr(), None, quant_kernel.FORMAT_CODES[fmt.name], quant_kernel.GRANULARITY_CODES[gran],
+                      float(store_or_pool.static_scale))
+    scales = store_or_pool.scale
+    return _Write(data.data_ptr(), scales.data_ptr(), quant_kernel.FORMAT_CODES[fmt.name],
+                  quant_kernel.GRANULARITY_CODES[gran], 0.0)
+
+
+def _bind_caches(plan: _Plan, caches: list, dtype: torch.dtype, can_quantize: bool) -> bool:
+    """Point the per-layer table at these caches (rebuilt only when what the writes need changes)."""
+    if len(caches) != len(plan.linears):
         return False
-    key = tuple((c.k.data_ptr(), c.v.data_ptr()) for c in caches)
+    parts = []
+    for cache in caches:
+        if type(cache) is DenseKVCache:
+            pools = (cache.k, cache.v)
+        elif type(cache) is QuantizedKVCache and can_quantize:
+            pools = (cache.k_store, cache.v_store)
+        else:
+            return False
+        k_view, v_view = kernel_views(cache)
+        writes = [_write_for(p, dtype) for p in pools]
+        if (k_view is None or v_view is None or any(w is None for w in writes)
+                or (k_view.heads, k_view.dim, v_view.dim) != (plan.kv_heads, plan.head_dim, plan.head_dim)
+                or k_view.data.shape[:2] != caches_shape(parts, k_view)):
+            return False
+        parts.append((k_view, v_view, writes))
+    key = tuple((w.data, w.scales, w.fmt, w.gran, w.static_scale) for _, _, ws in parts for w in ws)
     if key == plan.caches_key:
         return True
     keep, rows = [], []
-    for linears, (ln1, ln2), window, cache in zip(plan.linears, plan.norms, plan.windows, caches):
-        kv = (cpu_kernel.dense_view(cache.k).struct(), cpu_kernel.dense_view(cache.v).struct())
+    for linears, (ln1, ln2), window, (k_view, v_view, (k_write, v_write)) in zip(plan.linears, plan.norms,
+                                                                               plan.windows, parts):
+        kv = (k_view, v_view, k_view.struct(), v_view.struct())
         keep.append(kv)
         wqkv, wo, wgu, wdown = (lin.panel_weight.packed.data_ptr() for lin in linears)
-        rows.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), wqkv, wo, wgu, wdown, ctypes.addressof(kv[0]),
-                           ctypes.addressof(kv[1]), cache.k.data_ptr(), cache.v.data_ptr(), window))
+        rows.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), wqkv, wo, wgu, wdown, ctypes.addressof(kv[2]),
+                           ctypes.addressof(kv[3]), k_write, v_write, window))
     plan.table = (_Layer * len(rows))(*rows)
     plan.keep, plan.caches_key = keep, key
+    plan.num_blocks, plan.block_size = parts[0][0].num_blocks, parts[0][0].block_size
     return True
+
+
+def caches_shape(parts: list, view: cpu_kernel.PoolView) -> tuple:
+    """Every layer's pool must have the first layer's [num_blocks, block_size]: one set of indices."""
+    return tuple(parts[0][0].data.shape[:2]) if parts else tuple(view.data.shape[:2])

@@ -10,8 +10,9 @@
  * pointers taken from their own libraries, so every intermediate is rounded exactly as there and the
  * output is bitwise the same. The residual adds round to the compute dtype as torch's `x + y` does.
  *
- * Scope (checked by the caller): decode rows only (a few rows), fp32 or bf16, dense caches in the
- * compute dtype, no biases, SiLU gate, no per-head q/k norm; one KV cache layout for all layers.
+ * Scope (checked by the caller): decode rows only (a few rows), fp32 or bf16, caches in the compute dtype
+ * or 8-bit (int8, fp8) with per-token, per-head or per-tensor scales (written through kv_quantize.c, as
+ * the stores write them), no biases, SiLU gate, no per-head q/k norm; one KV cache layout for all layers.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,6 +25,8 @@ typedef void (*rms_norm_fn)(const void *x, int64_t x_stride, const void *w, void
 typedef void (*rotary_fn)(const void *x, int64_t x_stride, const void *cos_, const void *sin_, void *out, int64_t T,
                           int64_t H, int64_t D, int code);
 typedef void (*silu_mul_fn)(const void *gu, void *out, int64_t T, int64_t I, int code);
+typedef void (*quantize_fn)(const void *x, int64_t N, int64_t H, int64_t D, int code, int fmt, int gran,
+                            float static_scale, const int64_t *slots, uint8_t *codes, float *scales);
 typedef int (*decode_fn)(const void *q, const void *K, const void *V, const int64_t *tables, const int64_t *seq_lens,
                          void *out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t DV, int64_t BS,
                          int64_t MAXNB, int64_t window, float scale, float softcap, int dtype_code);
@@ -34,13 +37,23 @@ typedef struct {
     rotary_fn rotary;
     silu_mul_fn silu_mul;
     decode_fn decode;
+    quantize_fn quantize; /* kv_quantize.c: 8-bit caches' writes */
 } kvf_layer_fns;
+
+/* How one of K/V is written: fmt 0 copies rows of the compute dtype; 3/4/5 (fp8 e4m3, e5m2, int8) quantize
+ * them with `gran` scales (1 tensor with `static_scale`, 2 token, 3 head) as the store's write does. */
+typedef struct {
+    void *data;
+    float *scales;
+    int32_t fmt, gran;
+    float static_scale;
+} kvf_write;
 
 typedef struct {
     const void *ln1, *ln2;                /* RMSNorm weights [hidden] */
     const void *wqkv, *wo, *wgu, *wdown;  /* panel-packed weights */
     const void *k_view, *v_view;          /* the decode kernel's `kvf_kv` operands */
-    void *k_data, *v_data;                /* the same pools, [NB, BS, HKV, D] contiguous, for the writes */
+    kvf_write k_write, v_write;           /* the same pools, [NB, BS, HKV, D], as the writes see them */
     int64_t window;                       /* sliding window (0: none) */
 } kvf_layer;
 
@@ -72,6 +85,17 @@ static void residual_add(void *x, const void *y, int64_t n, int code) {
     }
 }
 
+/* Rows x [M, H, D] (compute dtype) into the pool at their slots, copied or quantized. */
+static void write_rows(const kvf_layer_fns *fn, const kvf_write *w, const char *x, int64_t M, int64_t H, int64_t D,
+                       const int64_t *slots, int code) {
+    const size_t row = (size_t)(H * D) * (code == 0 ? 4 : 2);
+    if (w->fmt == 0) {
+        for (int64_t r = 0; r < M; r++) memcpy((char *)w->data + slots[r] * row, x + r * row, row);
+        return;
+    }
+    fn->quantize(x, M, H, D, code, w->fmt, w->gran, w->static_scale, slots, (uint8_t *)w->data, w->scales);
+}
+
 /* x [M, hidden] (updated in place) through L layers. cos/sin [M, D]; slots [M]: where each row's K/V go;
  * tables [M, MAXNB] / seq_lens [M]: the decode kernel's checked indices. Returns 0, -1 when scratch could
  * not be allocated, or the decode kernel's error code. */
@@ -82,19 +106,19 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
     const size_t esz = code == 0 ? 4 : 2;
     const int64_t qsz = H * D, kvsz = HKV * D, nqkv = qsz + 2 * kvsz;
     char *h = malloc(esz * M * hidden), *qkv = malloc(esz * M * nqkv), *q = malloc(esz * M * qsz);
-    char *k = malloc(esz * M * kvsz), *att = malloc(esz * M * qsz), *o = malloc(esz * M * hidden);
+    char *k = malloc(esz * M * kvsz), *v = malloc(esz * M * kvsz), *att = malloc(esz * M * qsz), *o = malloc(esz * M * hidden);
     char *gu = malloc(esz * M * 2 * inter), *act = malloc(esz * M * inter);
-    int rc = (h && qkv && q && k && att && o && gu && act) ? 0 : -1;
+    int rc = (h && qkv && q && k && v && att && o && gu && act) ? 0 : -1;
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const kvf_layer *ly = layers + l;
         fn->rms_norm(x, hidden, ly->ln1, h, M, hidden, eps, 0.f, code);
         fn->linear(h, M, hidden, ly->wqkv, nqkv, NULL, qkv, nthreads);
         fn->rotary(qkv, nqkv, cos_, sin_, q, M, H, D, code);
         fn->rotary(qkv + qsz * esz, nqkv, cos_, sin_, k, M, HKV, D, code);
-        for (int64_t r = 0; r < M; r++) { /* the cache write: rotated K, and V as the matmul left it */
-            memcpy((char *)ly->k_data + slots[r] * kvsz * esz, k + r * kvsz * esz, kvsz * esz);
-            memcpy((char *)ly->v_data + slots[r] * kvsz * esz, qkv + (r * nqkv + qsz + kvsz) * esz, kvsz * esz);
-        }
+        /* the cache write: rotated K, and V as the matmul left it (gathered into rows for a quantizer) */
+        for (int64_t r = 0; r < M; r++) memcpy(v + r * kvsz * esz, qkv + (r * nqkv + qsz + kvsz) * esz, kvsz * esz);
+        write_rows(fn, &ly->k_write, k, M, HKV, D, slots, code);
+        write_rows(fn, &ly->v_write, v, M, HKV, D, slots, code);
         rc = fn->decode(q, ly->k_view, ly->v_view, tables, seq_lens, att, M, H, HKV, D, D, BS, MAXNB, ly->window,
                         scale, 0.f, code);
         if (rc) break;
@@ -106,6 +130,6 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
         fn->linear(act, M, inter, ly->wdown, hidden, NULL, o, nthreads);
         residual_add(x, o, M * hidden, code);
     }
-    free(h), free(qkv), free(q), free(k), free(att), free(o), free(gu), free(act);
+    free(h), free(qkv), free(q), free(k), free(v), free(att), free(o), free(gu), free(act);
     return rc;
 }
