@@ -991,7 +991,9 @@ int kvf_paged_decode(
  * with an online softmax (running max and sum per query vector, fp32).
  *
  * Head size 64 (K and V) and at most 8 query heads per KV head; AVX-512 only (the caller checks
- * `kvf_paged_prefill_supported`). bf16 scores use VDPBF16PS on bf16 query/key pairs. K and V are
+ * `kvf_paged_prefill_supported`). bf16 scores use VDPBF16PS on bf16 query/key pairs, and so does the
+ * bf16 P.V product (probabilities rounded to bf16 pairs, V rows interleaved by key pairs; 1.11x on a
+ * 1,024-token chunk after 1,024 cached tokens against fp32 FMAs, measured in one process). K and V are
  * `kvf_kv` operands like the decode kernel's: compressed rows (fp8, int8, int4, any scale granularity,
  * K/V split) are decoded in the block loop, once per 16 keys for all the item's query vectors, so a
  * quantized cache's prefill no longer gathers and dequantizes the whole context for SDPA.
@@ -1129,6 +1131,33 @@ static inline __attribute__((always_inline)) void prefill_item_run(
                 transpose16(kt + c * 16);
             }
         }
+#if defined(__AVX512BF16__)
+        if (use_dp) {
+            /* bf16 V rows, keys paired element by element (rows 2j and 2j+1 unpacked), so that one
+             * VDPBF16PS adds p_2j * v_2j + p_2j+1 * v_2j+1 for 16 dims, as the decode kernel's bf16 V pass;
+             * the accumulators then hold dims in unpack order, restored by `unpermute_d64` at the end. */
+            __m512i rows[16][2];
+            for (int r = 0; r < 16; r++) {
+                if (r >= cnt) {
+                    rows[r][0] = rows[r][1] = _mm512_setzero_si512();
+                } else if (dense_v) {
+                    rows[r][0] = _mm512_loadu_si512(vrow[r]);
+                    rows[r][1] = _mm512_loadu_si512(vrow[r] + 64);
+                } else { /* decoded values are bf16 values: back to bf16 exactly */
+                    const float *x = kv_row(kdec, V, kslot[r], it->kv_head, 64, BS, code);
+                    rows[r][0] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+                    rows[r][1] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32));
+                }
+            }
+            __m512i *vx = (__m512i *)vf;
+            for (int j = 0; j < 8; j++) {
+                vx[4 * j] = _mm512_unpacklo_epi16(rows[2 * j][0], rows[2 * j + 1][0]);
+                vx[4 * j + 1] = _mm512_unpackhi_epi16(rows[2 * j][0], rows[2 * j + 1][0]);
+                vx[4 * j + 2] = _mm512_unpacklo_epi16(rows[2 * j][1], rows[2 * j + 1][1]);
+                vx[4 * j + 3] = _mm512_unpackhi_epi16(rows[2 * j][1], rows[2 * j + 1][1]);
+            }
+        } else
+#endif
         for (int r = 0; r < 16; r++) {
             if (r >= cnt) {
                 memset(vf + r * 64, 0, 64 * sizeof(float));
@@ -1190,6 +1219,21 @@ static inline __attribute__((always_inline)) void prefill_item_run(
                 const __m512 cv = _mm512_set1_ps(corr);
                 __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(a), cv), a1 = _mm512_mul_ps(_mm512_loadu_ps(a + 16), cv);
                 __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(a + 32), cv), a3 = _mm512_mul_ps(_mm512_loadu_ps(a + 48), cv);
+#if defined(__AVX512BF16__)
+                if (use_dp) { /* probabilities rounded to bf16 pairs, as the reference rounds them */
+                    const __m256bh pb = _mm512_cvtneps_pbh(_mm512_load_ps(pbuf));
+                    int32_t pairs[8];
+                    memcpy(pairs, &pb, sizeof pairs);
+                    const __m512i *vx = (const __m512i *)vf;
+                    for (int j = 0; j < (cnt + 1) / 2; j++) {
+                        const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[j]);
+                        a0 = _mm512_dpbf16_ps(a0, w, (__m512bh)vx[4 * j]);
+                        a1 = _mm512_dpbf16_ps(a1, w, (__m512bh)vx[4 * j + 1]);
+                        a2 = _mm512_dpbf16_ps(a2, w, (__m512bh)vx[4 * j + 2]);
+                        a3 = _mm512_dpbf16_ps(a3, w, (__m512bh)vx[4 * j + 3]);
+                    }
+                } else
+#endif
                 for (int r = 0; r < cnt; r++) {
                     const __m512 w = _mm512_set1_ps(pbuf[r]);
                     const float *vr = vf + r * 64;
@@ -1210,6 +1254,9 @@ static inline __attribute__((always_inline)) void prefill_item_run(
             const int64_t v = tt * G + g;
             const float inv = 1.f / lrun[v];
             float *a = acc + v * 64;
+#if defined(__AVX512BF16__)
+            if (use_dp) unpermute_d64(a);
+#endif
             for (int d = 0; d < 64; d++) a[d] *= inv;
             store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * esz, a, 64, code);
         }
