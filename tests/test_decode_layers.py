@@ -74,3 +74,51 @@ def test_steps_outside_its_reach_run_the_python_layers(tiny_model_factory, monke
                             ("onednn", {})):
         _, _, served = _run(path, monkeypatch, True, "float32", backend, 8, **kwargs)
         assert served == 0, (backend, kwargs)
+
+
+def test_new_caches_rebind_and_the_old_ones_are_freed(tiny_model_factory, monkeypatch):
+    """An engine that replaces its caches (reconfiguration) gets a table pointing into the new ones, same
+    tokens; the fused path holds the old caches only weakly, so they are freed; and a bound table is reused
+    step after step."""
+    import copy
+    import gc
+    import weakref
+
+    from kvforge.attention.cpu_paged import kernel_views
+
+    from kvforge import LLM, SamplingParams
+
+    path, _ = tiny_model_factory("llama_d64")
+    monkeypatch.setenv("KVFORGE_LINEAR", "panel")
+    llm = LLM(model=path, dtype="float32", log_ledger=False, num_kv_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    runner = llm.engine.runner
+    plan = runner.model.__dict__["_fused_decode_plan"]
+    assert [ref() for ref in plan.bound] == runner.caches
+    old = weakref.ref(runner.caches[0].k)  # the pool tensor itself: no view or table may hold it
+    runner.caches = [copy.deepcopy(c) for c in runner.caches]
+    gc.collect()
+    assert old() is None  # nothing of the fused path kept it
+    again = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    assert again == first and [ref() for ref in plan.bound] == runner.caches
+    views = []  # bound once: later steps do no per-layer Python work
+    monkeypatch.setattr(decode_layers, "kernel_views", lambda c: views.append(c) or kernel_views(c))
+    llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert views == []
+
+
+def test_out_of_range_slots_are_refused(tiny_model_factory, monkeypatch):
+    from kvforge import LLM, SamplingParams
+    from kvforge.attention.metadata import AttentionMetadata
+
+    path, _ = tiny_model_factory("llama_d64")
+    monkeypatch.setenv("KVFORGE_LINEAR", "panel")
+    llm = LLM(model=path, dtype="float32", log_ledger=False, num_kv_blocks=64)
+    llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+    model, caches = llm.engine.runner.model, llm.engine.runner.caches
+    x = model.model.embed_tokens(torch.tensor([5]))
+    cos, sin = model.rotary(torch.tensor([0]), x.dtype)
+    meta = AttentionMetadata(torch.tensor([64 * 16]), 1, torch.tensor([[1]]), torch.tensor([1]))
+    with torch.inference_mode(), pytest.raises(ValueError, match="slots out of range"):
+        decode_layers.run_decode_layers(model, x, cos, sin, caches, meta)

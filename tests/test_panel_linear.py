@@ -264,3 +264,15 @@ def test_auto_takes_the_panel_kernel_without_avx512_and_both_with_it(monkeypatch
     assert linear.linear_backend() == "onednn"
     monkeypatch.setenv("KVFORGE_LINEAR", "panel")
     assert linear.linear_backend() == "panel"
+
+
+def test_both_keeps_onednn_alone_where_a_panel_kernel_has_no_simd_path(monkeypatch):
+    """A plain-C panel kernel would be slower than oneDNN: under `both` such weights get oneDNN's layout only."""
+    from kvforge.models import linear
+
+    if not linear.ONEDNN_LINEAR:
+        pytest.skip("oneDNN linear unavailable on this torch build")
+    monkeypatch.setattr(linear, "panel_kernel_simd", lambda *a: False)
+    layer = linear.Linear(24, 40)
+    assert layer.pack(backend="both")
+    assert layer.panel_weight is None and layer.onednn_weight is not None

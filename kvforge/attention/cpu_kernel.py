@@ -180,8 +180,7 @@ def paged_decode(
     written into `out` (contiguous) when given."""
     lib = _load()
     assert lib is not None, LIBRARY.error
-    k = k_cache if isinstance(k_cache, PoolView) else dense_view(k_cache)
-    v = v_cache if isinstance(v_cache, PoolView) else dense_view(v_cache)
+    k, v = as_view(k_cache), as_view(v_cache)
     b, h, d = q.shape
     hkv, dv = k.heads, v.dim
     if h % hkv:
@@ -230,6 +229,11 @@ def prefill_indices(chunks: list, num_rows: int, num_blocks: int, block_size: in
     return PrefillIndices(tables, row0, qlen, start)
 
 
+def as_view(cache: torch.Tensor | PoolView) -> PoolView:
+    """A dense pool tensor as a view; a view as it is (what both kernels read)."""
+    return cache if isinstance(cache, PoolView) else dense_view(cache)
+
+
 def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor | PoolView | None,
                       v_cache: torch.Tensor | PoolView | None) -> bool:
     """The prefill kernel's reach: head size 64, at most 8 query heads per KV head, fp32/bf16 compute,
@@ -237,18 +241,11 @@ def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor | PoolView | None,
     lib = _load()
     if lib is None or q.dim() != 3 or k_cache is None or v_cache is None:
         return False
-    if isinstance(k_cache, PoolView) or isinstance(v_cache, PoolView):
-        k = k_cache if isinstance(k_cache, PoolView) else dense_view(k_cache)
-        v = v_cache if isinstance(v_cache, PoolView) else dense_view(v_cache)
-        if not supports_views(q, k, v):
-            return False
-        heads, k_dim, v_dim = k.heads, k.dim, v.dim
-    else:
-        if not supports(q, k_cache, v_cache):
-            return False
-        heads, k_dim, v_dim = k_cache.shape[2], k_cache.shape[3], v_cache.shape[-1]
-    return k_dim == q.shape[2] and bool(
-        lib.kvf_paged_prefill_supported(q.shape[1], heads, k_dim, v_dim, DTYPE_CODES[q.dtype]))
+    if any(isinstance(t, torch.Tensor) and not supports(q, t, t) for t in (k_cache, v_cache)):
+        return False  # raw tensors: q's dtype, contiguous
+    k, v = as_view(k_cache), as_view(v_cache)
+    return (supports_views(q, k, v) and k.dim == q.shape[2]
+            and bool(lib.kvf_paged_prefill_supported(q.shape[1], k.heads, k.dim, v.dim, DTYPE_CODES[q.dtype])))
 
 
 def paged_prefill(
@@ -260,8 +257,7 @@ def paged_prefill(
     are decoded in the kernel's block loop, as the decode kernel's portable loops decode them."""
     lib = _load()
     assert lib is not None and prefill_supported(q, k_cache, v_cache)
-    k = k_cache if isinstance(k_cache, PoolView) else dense_view(k_cache)
-    v = v_cache if isinstance(v_cache, PoolView) else dense_view(v_cache)
+    k, v = as_view(k_cache), as_view(v_cache)
     q = q.contiguous()
     assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
     ks, vs = k.struct(), v.struct()

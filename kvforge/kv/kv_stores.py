@@ -113,7 +113,7 @@ class QuantStore:
             return
         scale = absmax_scales(x, self.granularity, self.fmt)  # [N] or [N, H]
         flat.index_copy_(0, slots, quantize(x, expand_scale(scale, self.granularity), self.fmt))
-        self.block_scales.view(-1, *self.block_scales.shape[2:]).index_copy_(0, slots, scale)
+        scales_flat.index_copy_(0, slots, scale)
 
     def _write_channel(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         blocks = slots // self.block_size

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from kvforge.models.linear import PANEL_DECODE_ROWS, Linear
 from kvforge.native import NativeLibrary
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
+GRAN_TENSOR = quant_kernel.GRANULARITY_CODES["tensor"]
 
 
 class _Fns(ctypes.Structure):
@@ -108,10 +110,14 @@ class _Plan:
         self.norms = [(layer.input_layernorm.weight, layer.post_attention_layernorm.weight) for layer in layers]
         self.ok = self.ok and all(w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu"
                                   for pair in self.norms for w in pair)
-        self.caches_key: tuple | None = None
+        # the caches the table points into, held weakly (a reconfigured engine frees its old pools), and
+        # the per-tensor scales the table copied (a store's static scale can be set again)
+        self.bound: list[weakref.ref] = []
+        self.static_scales: list[tuple[object, float]] = []
         self.table: ctypes.Array | None = None
-        self.keep: list = []
+        self.structs: list = []  # the decode kernel's operands the table points at (and per-tensor scales)
         self.num_blocks = self.block_size = 0
+        self.fns = _fns(dtype)
 
 
 def _enabled() -> bool:
@@ -147,10 +153,7 @@ def run_decode_layers(
     if not plan.ok or m > plan.max_rows:
         return None
     lib = LIBRARY.load()
-    fns = _fns(x.dtype)
-    if lib is None or fns is None:
-        return None
-    if not _bind_caches(plan, caches, x.dtype, bool(fns.quantize)):
+    if lib is None or plan.fns is None or not _bind_caches(plan, caches):
         return None
     key = ("cpu_decode", plan.num_blocks, plan.block_size)
     if key not in meta.derived:  # the same checked indices the Python path's attention layers share
@@ -160,8 +163,11 @@ def run_decode_layers(
     x = x.contiguous().clone()
     cos, sin = cos.contiguous(), sin.contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()
+    # the C loop writes K/V at these slots unchecked, as index_copy_ would not be
+    if int(slots.min()) < 0 or int(slots.max()) >= plan.num_blocks * plan.block_size:
+        raise ValueError("KV write slots out of range of the pool")
     rc = lib.kvf_decode_layers(
-        ctypes.byref(fns), plan.table, len(plan.linears), x.data_ptr(), m, plan.hidden, plan.heads, plan.kv_heads,
+        ctypes.byref(plan.fns), plan.table, len(plan.linears), x.data_ptr(), m, plan.hidden, plan.heads, plan.kv_heads,
         plan.head_dim, plan.inter, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), idx.tables.data_ptr(),
         idx.seq_lens.data_ptr(), plan.block_size, idx.tables.shape[1], plan.scale, plan.eps,
         0 if x.dtype == torch.float32 else 1, torch.get_num_threads(),
@@ -195,42 +201,48 @@ def _write_for(store_or_pool, dtype: torch.dtype) -> _Write | None:
                   quant_kernel.GRANULARITY_CODES[gran], 0.0)
 
 
-def _bind_caches(plan: _Plan, caches: list, dtype: torch.dtype, can_quantize: bool) -> bool:
-    """Point the per-layer table at these caches (rebuilt only when what the writes need changes)."""
+def _bound(plan: _Plan, caches: list) -> bool:
+    """The table already points into these very caches, with the per-tensor scales they hold now."""
+    return (len(plan.bound) == len(caches) and all(ref() is c for ref, c in zip(plan.bound, caches))
+            and all(float(store.static_scale) == value for store, value in plan.static_scales))
+
+
+def _bind_caches(plan: _Plan, caches: list) -> bool:
+    """Point the per-layer table at these caches; rebuilt only when they (or a per-tensor scale) change, so a
+    step does no per-layer Python work. The table holds raw pointers: valid while the caches live, which
+    `_bound` checks through weak references before every use."""
+    if _bound(plan, caches):
+        return True
     if len(caches) != len(plan.linears):
         return False
-    parts = []
+    parts, statics = [], []
     for cache in caches:
         if type(cache) is DenseKVCache:
             pools = (cache.k, cache.v)
-        elif type(cache) is QuantizedKVCache and can_quantize:
+        elif type(cache) is QuantizedKVCache and plan.fns.quantize:
             pools = (cache.k_store, cache.v_store)
         else:
             return False
         k_view, v_view = kernel_views(cache)
-        writes = [_write_for(p, dtype) for p in pools]
+        writes = [_write_for(p, plan.dtype) for p in pools]
         if (k_view is None or v_view is None or any(w is None for w in writes)
                 or (k_view.heads, k_view.dim, v_view.dim) != (plan.kv_heads, plan.head_dim, plan.head_dim)
-                or k_view.data.shape[:2] != caches_shape(parts, k_view)):
+                or (parts and k_view.data.shape[:2] != parts[0][0].data.shape[:2])):  # one set of indices
             return False
         parts.append((k_view, v_view, writes))
-    key = tuple((w.data, w.scales, w.fmt, w.gran, w.static_scale) for _, _, ws in parts for w in ws)
-    if key == plan.caches_key:
-        return True
-    keep, rows = [], []
+        statics += [(p, w.static_scale) for p, w in zip(pools, writes) if w.gran == GRAN_TENSOR]
+    structs, rows = [], []
     for linears, (ln1, ln2), window, (k_view, v_view, (k_write, v_write)) in zip(plan.linears, plan.norms,
                                                                                plan.windows, parts):
-        kv = (k_view, v_view, k_view.struct(), v_view.struct())
-        keep.append(kv)
+        kv = (k_view.struct(), v_view.struct())
+        # a per-tensor scale may be a tensor of its own (store_view reshapes it): keep it alive, it is one
+        # float; every other pointer is into the cache, which `_bound` checks is alive
+        structs.append((kv, [v.scale for v in (k_view, v_view) if v.granularity == "tensor"]))
         wqkv, wo, wgu, wdown = (lin.panel_weight.packed.data_ptr() for lin in linears)
-        rows.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), wqkv, wo, wgu, wdown, ctypes.addressof(kv[2]),
-                           ctypes.addressof(kv[3]), k_write, v_write, window))
+        rows.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), wqkv, wo, wgu, wdown, ctypes.addressof(kv[0]),
+                           ctypes.addressof(kv[1]), k_write, v_write, window))
     plan.table = (_Layer * len(rows))(*rows)
-    plan.keep, plan.caches_key = keep, key
+    plan.structs, plan.static_scales = structs, statics
+    plan.bound = [weakref.ref(c) for c in caches]
     plan.num_blocks, plan.block_size = parts[0][0].num_blocks, parts[0][0].block_size
     return True
-
-
-def caches_shape(parts: list, view: cpu_kernel.PoolView) -> tuple:
-    """Every layer's pool must have the first layer's [num_blocks, block_size]: one set of indices."""
-    return tuple(parts[0][0].data.shape[:2]) if parts else tuple(view.data.shape[:2])

@@ -108,7 +108,7 @@ def linear_backend() -> str:
     auto resolves here by CPU alone; `pack_linear_weights` also drops auto's `both` for big models."""
     backend = requested_linear_backend()
     if backend == "auto":
-        return "both" if _avx512() and panel_kernel_available() else "panel" if _panel_preferred() else "onednn"
+        return "both" if _avx512() else "panel" if _panel_preferred() else "onednn"
     return backend
 
 
@@ -131,11 +131,12 @@ def _panel_preferred() -> bool:
 def _panel_layout_for(w: torch.Tensor, backend: str) -> PanelWeight | None:
     """The panel layout this weight gets under `backend`, or None.
 
-    panel: fp32 only (the bf16 kernel is for decode rows, not GEMM). both: fp32, and bf16 where the bf16
-    kernel's AVX512-BF16 path is built (its plain-C fallback would be slower than oneDNN)."""
-    if w.device.type != "cpu" or backend not in ("panel", "both"):
+    panel: fp32 only (the bf16 kernel is for decode rows, not GEMM), an error without the kernel. both: fp32
+    and bf16, each only where its kernel's SIMD path is built (AVX2+FMA, AVX512-BF16): a plain-C panel
+    kernel would be slower than oneDNN, so such weights keep oneDNN's layout alone."""
+    if w.device.type != "cpu" or backend not in ("panel", "both") or w.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if w.dtype == torch.bfloat16 and backend == "both":
+    if backend == "both":
         return pack_panels(w.detach()) if panel_kernel_available(w.dtype) and panel_kernel_simd(w.dtype) else None
     if w.dtype != torch.float32:
         return None
