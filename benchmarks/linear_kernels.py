@@ -14,7 +14,7 @@ bytes / time, the decode bound being the machine's read bandwidth.
 
     python benchmarks/linear_kernels.py
     python benchmarks/linear_kernels.py --panel --threads 1 2 [--save FILE]   # results/linear_kernels.txt, 2nd table
-    python benchmarks/linear_kernels.py --panel --dtype bfloat16   # the bf16 decode kernel vs oneDNN bf16
+    python benchmarks/linear_kernels.py --panel --dtype bfloat16   # the bf16 panel kernel vs oneDNN bf16
 
 `--decode` measures what it buys end to end: the default model (fp32, one
 stream, 128-token prompt) loaded twice, with KVFORGE_LINEAR=onednn and =panel,
@@ -90,8 +90,7 @@ def panel_vs_onednn(threads: list[int], dtype: torch.dtype = torch.float32) -> N
 
     if not pl.available(dtype):
         raise SystemExit(f"panel kernel unavailable: {pl.unavailable_reason(dtype)}")
-    # the bf16 panel kernel is a decode kernel (KVFORGE_LINEAR=both sends it <= 4 rows): time it near there
-    rows = PANEL_ROWS if dtype == torch.float32 else (1, 2, 3, 4, 6, 8, 16)
+    rows = PANEL_ROWS
     print(f"{dtype}: panel kernel SIMD path {'built' if pl.simd(dtype) else 'NOT built (plain C)'}")
     op, reorder = torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight
     torch.manual_seed(0)

@@ -38,8 +38,8 @@ def _run(path, monkeypatch, fused: bool, dtype: str, backend: str, max_num_seqs:
 @pytest.mark.parametrize("family", ["llama_d64", "llama_gqa"])
 def test_fused_steps_equal_the_python_layers_bitwise(tiny_model_factory, monkeypatch, dtype, backend, max_num_seqs,
                                                      family):
-    if dtype == "bfloat16" and (backend == "panel" or not panel_linear.simd(torch.bfloat16)):
-        pytest.skip("bf16 weights get a panel layout only with `both` on AVX512-BF16 CPUs")
+    if dtype == "bfloat16" and not panel_linear.simd(torch.bfloat16):
+        pytest.skip("bf16 weights get a panel layout only on AVX512-BF16 CPUs")
     path, _ = tiny_model_factory(family)
     tokens, hidden, served = _run(path, monkeypatch, True, dtype, backend, max_num_seqs)
     ref_tokens, ref_hidden, ref_served = _run(path, monkeypatch, False, dtype, backend, max_num_seqs)
@@ -54,9 +54,9 @@ def test_fused_steps_equal_the_python_layers_bitwise(tiny_model_factory, monkeyp
                          ids=["int8-token", "fp8-head", "split"])
 def test_fused_steps_over_8bit_caches_equal_the_python_layers_bitwise(tiny_model_factory, monkeypatch, dtype, kwargs):
     """8-bit caches are written by the same C quantizer the stores use, and read by the same decode kernel."""
-    backend = "panel" if dtype == "float32" else "both"
+    backend = "panel"
     if dtype == "bfloat16" and not panel_linear.simd(torch.bfloat16):
-        pytest.skip("bf16 weights get a panel layout only with `both` on AVX512-BF16 CPUs")
+        pytest.skip("bf16 weights get a panel layout only on AVX512-BF16 CPUs")
     path, _ = tiny_model_factory("llama_d64")
     tokens, hidden, served = _run(path, monkeypatch, True, dtype, backend, 8, **kwargs)
     ref_tokens, ref_hidden, _ = _run(path, monkeypatch, False, dtype, backend, 8, **kwargs)

@@ -79,20 +79,21 @@ def test_packing_is_a_relayout():
     assert torch.equal(_dense(pw), w) and pw.nbytes == 48 * 19 * 4
 
 
-def _run_built_with(flags: str, tmp_path, body: str) -> None:
+def _run_built_with(flags: str, tmp_path, body: str, simd: bool = False) -> None:
     """Run `body` (test code) in a fresh process whose kernels are built with KVFORGE_EXTRA_CFLAGS=flags; with
-    flags, the kernel must say it took its plain-C path (`body` prints 'simd N')."""
+    flags, the kernel must say it took its plain-C path, or with `simd` its SIMD one (`body` prints 'simd N')."""
     code = "import sys, torch; sys.path.insert(0, %r)\n" % os.path.dirname(__file__) + body + "print('ok')\n"
     env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr[-2000:]
     if flags:
-        assert "simd 0" in out.stdout
+        assert f"simd {int(simd)}" in out.stdout
 
 
-@pytest.mark.parametrize("flags", ["-mno-avx2 -mno-fma", ""])
+@pytest.mark.parametrize("flags", ["-mno-avx2 -mno-fma", "-mno-avx512f", ""])
 def test_plain_c_fallback_build(tmp_path, flags):
-    """Built without AVX2/FMA the kernel takes its plain-C path (and says so) with the same results."""
+    """Built without AVX2/FMA the kernel takes its plain-C path (and says so) with the same results; built
+    without AVX-512 (an AVX2 CPU) its AVX2 tiles serve every row count."""
     _run_built_with(flags, tmp_path, (
         "from test_panel_linear import _check\n"
         "from kvforge.models import panel_linear as pl\n"
@@ -102,7 +103,7 @@ def test_plain_c_fallback_build(tmp_path, flags):
         "for m in (1, 2, 3, 5, 6, 7, 70):\n"
         "    _check(m, 33, 131, bias=m & 1 == 1)\n"
         "_check(64, 960, 576, bias=True, threads=2)\n"
-    ))
+    ), simd=flags == "-mno-avx512f")
 
 
 def _check_bf16(m: int, n: int, k: int, bias: bool, threads: int | None = None) -> None:
@@ -130,13 +131,33 @@ bf16_kernel = pytest.mark.skipif(not pl.available(torch.bfloat16),
 @bf16_kernel
 def test_bf16_kernel_matches_f_linear_for_odd_shapes():
     torch.manual_seed(5)
-    for m in range(1, 12):
-        n, k = (1, 15, 16, 17, 33, 47)[m % 6], (1, 7, 8, 9, 64, 131)[m % 6 - 2]  # odd K: a zero k is padded
+    # 1-4 rows: the decode tiles; 5 up: GEMM tiles of 8 rows x 3 panels, with every remainder of rows
+    # (m % 8) and of panels (ceil(n / 16) % 3) in turn
+    for m in range(1, 30):
+        n, k = (1, 15, 16, 17, 33, 47, 80)[m % 7], (1, 7, 8, 9, 64, 131)[m % 6 - 2]  # odd K: a zero k is padded
         _check_bf16(m, n, k, bias=m % 2 == 0)
-    for m in (1, 2, 4, 5):
+    for m in (1, 2, 4, 5, 8, 13, 64, 200):
         _check_bf16(m, 960, 576, bias=True, threads=2)
         _check_bf16(m, 200, 1537, bias=False, threads=1)
     _check_bf16(1, 40, 576, bias=False, threads=64)  # more threads than panels
+    _check_bf16(9, 40, 576, bias=True, threads=64)
+
+
+@bf16_kernel
+def test_bf16_rounding_is_round_to_nearest_even_in_every_tile():
+    """The GEMM tiles round in registers, the decode tiles per element: the same bits either way (one row
+    of a batch gives what it gives alone), NaN and infinities included."""
+    torch.manual_seed(8)
+    w = torch.randn(70, 64).bfloat16()
+    x = torch.randn(11, 64).bfloat16()
+    x[3, 5] = float("nan")
+    x[7] = x[7] * 1e38  # overflows to inf in fp32 sums
+    pw = pl.pack_panels(w)
+    many = pl.panel_linear(x, pw, num_threads=1)
+    for r in range(11):
+        alone = pl.panel_linear(x[r:r + 1], pw, num_threads=1)
+        assert torch.equal(many[r].float().nan_to_num(), alone[0].float().nan_to_num()) or r in (3, 7), r
+    assert many[3].float().isnan().all() and torch.isinf(many[7].float()).any()
 
 
 @bf16_kernel
@@ -193,26 +214,6 @@ def test_both_sends_decode_rows_to_the_panel_kernel_and_larger_calls_to_onednn(m
     assert "KVFORGE_LINEAR=both" in _describe_linear(model)
 
 
-def test_auto_skips_both_for_big_models(monkeypatch):
-    """auto's `both` keeps a second copy only while the linear weights are small; above, oneDNN alone."""
-    from torch import nn
-
-    from kvforge.models import linear
-
-    if not linear.ONEDNN_LINEAR:
-        pytest.skip("oneDNN linear unavailable on this torch build")
-    monkeypatch.delenv("KVFORGE_LINEAR", raising=False)
-    monkeypatch.setattr(linear, "linear_backend", lambda: "both")
-    monkeypatch.setattr(linear, "AUTO_BOTH_MAX_BYTES", 1000)
-    big = nn.ModuleList([linear.Linear(24, 40)])  # 3,840 bytes of weights
-    linear.pack_linear_weights(big)
-    assert big[0].panel_weight is None and big[0].onednn_weight is not None
-    monkeypatch.setattr(linear, "AUTO_BOTH_MAX_BYTES", 1 << 20)
-    small = nn.ModuleList([linear.Linear(24, 40)])
-    linear.pack_linear_weights(small)
-    assert small[0].panel_weight is not None and small[0].onednn_weight is not None
-
-
 def test_kvforge_linear_panel_packs_fp32_layers_and_the_tied_copy(monkeypatch):
     from torch import nn
 
@@ -231,12 +232,14 @@ def test_kvforge_linear_panel_packs_fp32_layers_and_the_tied_copy(monkeypatch):
         size = weights_bytes(model)
         assert pack_linear_weights(model, copy_shared=True) >= 2
         assert model[1].panel_weight is not None and tied.panel_weight is not None and tied.packed_copy
-        assert model[3].panel_weight is None  # bf16 stays with oneDNN (or dense)
+        # bf16: the panel kernel where its AVX512-BF16 path is built, else oneDNN (or dense)
+        assert (model[3].panel_weight is not None) == pl.simd(torch.bfloat16)
         assert model[1].weight.numel() == 0 and tied.weight is emb.weight
         for a, b in zip(before, [model[1](x), tied(x)]):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     # the tied copy is extra bytes, padded to whole panels of 16 columns (50 -> 64)
-    assert weights_bytes(model) == size + 64 * 24 * 4 + (48 - 40) * 24 * 4
+    bf16_pad = (16 - 8) * 24 * 2 if pl.simd(torch.bfloat16) else 0
+    assert weights_bytes(model) == size + 64 * 24 * 4 + (48 - 40) * 24 * 4 + bf16_pad
 
 
 def test_kvforge_linear_rejects_unknown_backend(monkeypatch):
@@ -247,19 +250,17 @@ def test_kvforge_linear_rejects_unknown_backend(monkeypatch):
         Linear(4, 4).pack()
 
 
-def test_auto_takes_the_panel_kernel_without_avx512_and_both_with_it(monkeypatch):
-    """auto: panel where its AVX2+FMA path is built and the CPU has no AVX-512; on AVX-512 CPUs both layouts
-    (panel for decode rows, oneDNN above)."""
+def test_auto_takes_the_panel_kernel_where_its_simd_path_is_built(monkeypatch):
+    """auto: panel wherever the fp32 kernel's SIMD path is built (AVX2 and AVX-512 CPUs alike: one layout,
+    GEMM tiles for many rows); oneDNN for a plain-C build."""
     from kvforge.models import linear
 
     monkeypatch.delenv("KVFORGE_LINEAR", raising=False)
     monkeypatch.setattr(linear, "panel_kernel_available", lambda *a: True)
     monkeypatch.setattr(linear, "panel_kernel_simd", lambda *a: True)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert linear.linear_backend() == "panel"
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert linear.linear_backend() == "both"
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    for capability in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        assert linear.linear_backend() == "panel"
     monkeypatch.setattr(linear, "panel_kernel_simd", lambda *a: False)  # plain-C build: oneDNN is faster
     assert linear.linear_backend() == "onednn"
     monkeypatch.setenv("KVFORGE_LINEAR", "panel")

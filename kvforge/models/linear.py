@@ -20,25 +20,25 @@ that runs every step over the whole vocabulary (measured 1.3x (fp32) and 1.6x
 (bf16) faster at 32 rows; `KVFORGE_PACK_SHARED=0` keeps it dense).
 `KVFORGE_ONEDNN_LINEAR=0` turns all of this off.
 
-`KVFORGE_LINEAR` picks the layout fp32 CPU weights are packed in (the tied
-lm_head copy too): `panel` is kvforge's own kernel (`panel_linear.py`: weights
-streamed at memory bandwidth for decode rows, a register-blocked tile for
-many rows), `onednn` the above. `auto` (the default) takes `panel` where its
-AVX2+FMA path is built and the CPU has no AVX-512: measured on such a CPU (AMD
-EPYC, AVX2), single-stream decode 1.58x faster, and from 64 rows up the two
-are even (`benchmarks/linear_kernels.py`). On AVX-512 CPUs oneDNN's wider
-kernels stay for every row count, unless `both` applies (below). Other dtypes go to oneDNN.
+`KVFORGE_LINEAR` picks the layout CPU weights are packed in (the tied lm_head
+copy too): `panel` is kvforge's own kernels (`panel_linear.py`: weights
+streamed at memory bandwidth for decode rows, register-blocked tiles for
+many rows; fp32 always, bf16 where its AVX512-BF16 path is built, oneDNN for
+bf16 elsewhere), `onednn` the above. `auto` (the default) takes `panel`
+wherever the fp32 kernel's SIMD path is built (AVX2+FMA, with AVX-512 GEMM
+tiles where the CPU has AVX-512), else oneDNN. Measured against oneDNN's
+packed kernels (`benchmarks/linear_kernels.py --panel`, default model's
+shapes, 2 threads): on an AVX2 EPYC single-stream decode 1.58x faster and
+even from 64 rows; on an AVX-512 EPYC (Zen 4) 1.2-1.9x at 1-8 rows, 1.1-1.4x
+at 16-64 rows (a batch's decode steps) and 0.96-1.10x at 256-1024 (prefill
+chunks), in fp32 and bf16 alike. One layout per weight: no second copy.
 
-`both` keeps two layouts of each weight: the panel kernel's for decode rows
-(up to `PANEL_DECODE_ROWS` rows per call) and oneDNN's for everything larger
-(prefill chunks, big decode batches), for fp32 and, where the CPU has
-AVX512-BF16, bf16 (`csrc/linear_bf16.c`). It costs a second copy of the
-linear weights, which the start-up ledger's weights line counts, and buys
-both: measured on an AVX-512 CPU (AMD EPYC Zen 4), oneDNN's kernels are
-10-30% faster from 8 rows up while the panel kernels are 1.2-2.2x faster at
-1-4 rows (`benchmarks/linear_kernels.py`). `auto` takes `both` on AVX-512
-CPUs while the copy stays under `AUTO_BOTH_MAX_BYTES` of linear weights,
-oneDNN alone above that.
+`both` (explicit only) keeps two layouts of each weight: the panel kernel's
+for decode rows (up to `PANEL_DECODE_ROWS` rows per call) and oneDNN's for
+everything larger, for fp32 and, where the CPU has AVX512-BF16, bf16. It was
+the AVX-512 default before the panel kernels had GEMM tiles there; it costs
+a second copy of the linear weights (counted in the start-up ledger's
+weights line) and stays for A/B runs.
 """
 from __future__ import annotations
 
@@ -94,21 +94,15 @@ PACKABLE_DTYPES = _packable_dtypes()
 
 LINEAR_BACKENDS = ("auto", "onednn", "panel", "both")
 
-# Rows per call up to which `both` runs the panel kernel: it was measured ahead at 1-4 rows, oneDNN from 8.
+# Rows per call up to which `both` runs the panel kernel (oneDNN above).
 PANEL_DECODE_ROWS = 4
-
-# auto takes `both` only while the second copy of the linear weights stays this small (a model of ~1B
-# parameters in fp32); larger models keep one layout (oneDNN).
-AUTO_BOTH_MAX_BYTES = 4 << 30
 
 
 def linear_backend() -> str:
-    """`KVFORGE_LINEAR` resolved: which packed layout(s) CPU weights get at load (read when packing).
-
-    auto resolves here by CPU alone; `pack_linear_weights` also drops auto's `both` for big models."""
+    """`KVFORGE_LINEAR` resolved: which packed layout(s) CPU weights get at load (read when packing)."""
     backend = requested_linear_backend()
     if backend == "auto":
-        return "both" if _avx512() else "panel" if _panel_preferred() else "onednn"
+        return "panel" if _panel_preferred() else "onednn"
     return backend
 
 
@@ -119,27 +113,21 @@ def requested_linear_backend() -> str:
     return backend
 
 
-def _avx512() -> bool:
-    return "AVX512" in torch.backends.cpu.get_cpu_capability()
-
-
 def _panel_preferred() -> bool:
-    """auto: the panel kernel's SIMD path is built, and the CPU has no AVX-512 (where it was measured ahead)."""
-    return not _avx512() and panel_kernel_available() and panel_kernel_simd()
+    """auto: the fp32 panel kernel's SIMD path is built (the plain-C fallback would lose to oneDNN)."""
+    return panel_kernel_available() and panel_kernel_simd()
 
 
 def _panel_layout_for(w: torch.Tensor, backend: str) -> PanelWeight | None:
     """The panel layout this weight gets under `backend`, or None.
 
-    panel: fp32 only (the bf16 kernel is for decode rows, not GEMM), an error without the kernel. both: fp32
-    and bf16, each only where its kernel's SIMD path is built (AVX2+FMA, AVX512-BF16): a plain-C panel
-    kernel would be slower than oneDNN, so such weights keep oneDNN's layout alone."""
+    panel: fp32 always (an error without the kernel); bf16 where the bf16 kernel's AVX512-BF16 path is built.
+    both: fp32 and bf16, each only where its kernel's SIMD path is built (AVX2+FMA, AVX512-BF16). A plain-C
+    panel kernel would be slower than oneDNN, so such weights keep oneDNN's layout alone."""
     if w.device.type != "cpu" or backend not in ("panel", "both") or w.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if backend == "both":
+    if backend == "both" or w.dtype != torch.float32:
         return pack_panels(w.detach()) if panel_kernel_available(w.dtype) and panel_kernel_simd(w.dtype) else None
-    if w.dtype != torch.float32:
-        return None
     if not panel_kernel_available():
         raise RuntimeError(f"KVFORGE_LINEAR={backend} but the panel kernel is unavailable: {panel_unavailable_reason()}")
     return pack_panels(w.detach())
@@ -180,7 +168,7 @@ class Linear(nn.Linear):
 
     def pack(self, batch_hint: int = PACK_BATCH_HINT, keep_dense_copy: bool = False, backend: str | None = None) -> bool:
         """Replace the dense weight by its packed layout(s) (inference only): oneDNN's, the panel kernel's
-        (`KVFORGE_LINEAR=panel`, fp32), or both (`both`); with `keep_dense_copy` add them beside the dense
+        (`KVFORGE_LINEAR=panel`), or both (`both`); with `keep_dense_copy` add them beside the dense
         weight. False if not applicable."""
         w = self.weight
         if self.keep_dense or w.device.type != "cpu":
@@ -217,10 +205,6 @@ def pack_linear_weights(
     if copy_shared is None:
         copy_shared = pack_shared_enabled()
     backend = linear_backend()
-    if backend == "both" and requested_linear_backend() == "auto":
-        total = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
-        if total > AUTO_BOTH_MAX_BYTES:
-            backend = "onednn"  # auto: a second copy of this much is not worth a faster decode step
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

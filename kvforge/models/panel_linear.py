@@ -13,8 +13,10 @@ and row count; `KVFORGE_LINEAR=panel` selects it for a model's fp32 CPU
 
 bf16 weights get the same idea in `csrc/linear_bf16.c`: panels of 16 columns
 whose k dimension goes in pairs ([K/2][16][2]), the operand layout of
-AVX512-BF16's `vdpbf16ps`. That kernel is for decode rows only (a few rows per
-call); `kvforge.models.linear` sends larger row counts to oneDNN.
+AVX512-BF16's `vdpbf16ps`. Both kernels stream the weights for 1-4 rows and,
+on AVX-512 CPUs, run register-blocked 8-row x 48-column GEMM tiles for more
+(prefill chunks, a batch's decode steps), measured ahead of oneDNN's packed
+kernels at every row count but the largest lm_head calls (within 5%).
 """
 from __future__ import annotations
 

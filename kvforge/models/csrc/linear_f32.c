@@ -152,6 +152,65 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
 #define L2_X_BYTES (128 * 1024)
 #define KC 256
 
+#if KVF_SIMD && defined(__AVX512F__)
+/* GEMM rows on AVX-512 (M >= GEMM512_MIN): a register tile of up to GM rows x GP panels, one zmm (16
+ * columns) per panel and k: 8 x 3 = 24 accumulators + 3 weight lines + 1 broadcast = 28 of 32 zmm. Each
+ * k's 3 weight lines serve 8 rows and each broadcast serves 48 columns, so the FMA ports, not the loads,
+ * set the pace, and 24 independent chains cover the FMA latency. Full K per tile: the panel group
+ * (3 x K x 64 B, <= 300 KB for K = 1536) stays in L2 while the row tiles pass over it. Measured against
+ * oneDNN's packed fp32 kernels per shape and row count in benchmarks/linear_kernels.py --panel. */
+#define GM 8
+#define GP 3
+#define GEMM512_MIN 4
+
+static inline __attribute__((always_inline)) void gemm512_tile(const float *x, int64_t ldx, int64_t K,
+                                                               const float *w, int64_t pstride, int mr, int np,
+                                                               float *y, int64_t N, int64_t n0,
+                                                               const float *bias) {
+    __m512 acc[GM][GP];
+#pragma GCC unroll 8
+    for (int r = 0; r < GM; r++)
+#pragma GCC unroll 3
+        for (int p = 0; p < GP; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 wv[GP];
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) wv[p] = _mm512_loadu_ps(w + p * pstride + k * NR);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 3
+            for (int p = 0; p < np; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);
+        }
+    }
+#pragma GCC unroll 3
+    for (int p = 0; p < np; p++) {
+        const int64_t c0 = n0 + p * NR, nv = N - c0 < NR ? N - c0 : NR;
+        if (nv <= 0) break;
+        const __mmask16 m = (__mmask16)((1u << nv) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++)
+            _mm512_mask_storeu_ps(y + r * N + c0, m, bias ? _mm512_add_ps(acc[r][p], b) : acc[r][p]);
+    }
+}
+
+/* One specialised copy per (rows, panels), so every accumulator loop is unrolled into registers. */
+static void gemm512_block(const float *x, int64_t ldx, int64_t K, const float *w, int64_t pstride, int mr, int np,
+                          float *y, int64_t N, int64_t n0, const float *bias) {
+#define KVF_GEMM_CASE(R, P) \
+    case (R) * 4 + (P): gemm512_tile(x, ldx, K, w, pstride, R, P, y, N, n0, bias); break;
+#define KVF_GEMM_ROW(R) KVF_GEMM_CASE(R, 1) KVF_GEMM_CASE(R, 2) KVF_GEMM_CASE(R, 3)
+    switch (mr * 4 + np) {
+        KVF_GEMM_ROW(1) KVF_GEMM_ROW(2) KVF_GEMM_ROW(3) KVF_GEMM_ROW(4)
+        KVF_GEMM_ROW(5) KVF_GEMM_ROW(6) KVF_GEMM_ROW(7) KVF_GEMM_ROW(8)
+    default: break;
+    }
+#undef KVF_GEMM_ROW
+#undef KVF_GEMM_CASE
+}
+#endif
+
 void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
                       float *y, int nthreads) {
     const int64_t P = (N + NR - 1) / NR;
@@ -170,7 +229,21 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
 #else
         const int64_t tid = 0, nth = 1;
 #endif
-        const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
+        const int64_t p0 = P * tid / nth;
+        int64_t p1 = P * (tid + 1) / nth;
+#if KVF_SIMD && defined(__AVX512F__)
+        if (M >= GEMM512_MIN) {
+            for (int64_t p = p0; p < p1; p += GP) {
+                const int np = (int)(p1 - p < GP ? p1 - p : GP);
+                for (int64_t i = 0; i < M; i += GM) {
+                    const int mr = (int)(M - i < GM ? M - i : GM);
+                    gemm512_block(x + i * K, K, K, wp + p * panel_floats, panel_floats, mr, np, y + i * N, N,
+                                  p * NR, bias);
+                }
+            }
+            p1 = p0; /* done: skip the AVX2 loop below */
+        }
+#endif
         float out[MR * NR];
         for (int64_t pc = p0; pc < p1; pc += chunk) {
             const int64_t pe = pc + chunk < p1 ? pc + chunk : p1;
