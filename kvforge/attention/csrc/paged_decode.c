@@ -1263,6 +1263,193 @@ static inline __attribute__((always_inline)) void prefill_item_run(
 }
 #endif
 
+#if defined(KVF_HAVE_AVX512) && defined(__AVX512BF16__)
+/* ---- bf16 prefill with query vectors in lanes -------------------------------------------------------
+ * Why: with keys in lanes (`prefill_item_run`), every query vector pays, per 16 keys, two horizontal
+ * reductions (max, sum), a scalar exp for the running-max correction and a reload of its 64
+ * accumulators, all on the critical path after its 32 score instructions: measured at ~70-110 GFLOP/s,
+ * against ~400 for the matmuls. Here 16 query vectors share the lanes of every register, so a block of
+ * 16 keys is
+ *   scores:  s[r] (16 vectors' scores against key r) = 32 VDPBF16PS of the queries' transposed bf16
+ *            pairs against key r's pairs, broadcast straight from the cache row (16 independent chains);
+ *   softmax: the block max is a vertical max over the 16 registers, the running max, sum and correction
+ *            are vectors of the 16 lanes (one vector exp for the correction, no horizontal op);
+ *   P.V:     the probabilities become bf16 pairs of adjacent keys per lane, and each of the 64 output
+ *            dims (a register of 16 lanes, in L1) takes 8 VDPBF16PS against V's pairs for that dim.
+ * Same arithmetic as `prefill_item_run`'s bf16 path: exact bf16 products summed in fp32, probabilities
+ * rounded to bf16 for P.V, fp32 running sums; results differ from it by summation order and the exp. */
+static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
+    /* Cephes' expf: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (~1 ulp). Inputs
+     * below -104 (and -inf) give 0, as exp would underflow there with FTZ on. */
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-104.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One item (chunk c's query tokens [t0, t1) x the G heads of KV head j) on the lanes layout. Scratch:
+ * qt >= 3 x 32 x 16 dwords, acc_t >= 3 x 64 x 16 floats, kbuf 16 x 64 bf16 (+ a zero row), vx 32 x 16
+ * dwords, all 64-byte aligned. */
+static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
+                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
+                              int64_t window, float scale, float softcap, int64_t G, int32_t *qt, float *acc_t,
+                              uint16_t *kbuf, int32_t *vx) {
+    const char *k_cache = K->data, *v_cache = V->data;
+    const size_t k_row = (size_t)K->row_bytes, v_row = (size_t)V->row_bytes;
+    const size_t k_off = (size_t)(it->kv_head * K->head_bytes), v_off = (size_t)(it->kv_head * V->head_bytes);
+    const int dense_k = K->code == KVF_BF16 && K->gran == KVF_SCALE_NONE;
+    const int dense_v = V->code == KVF_BF16 && V->gran == KVF_SCALE_NONE;
+    const int64_t nt = it->t1 - it->t0, nv = nt * G, ngroups = (nv + 15) / 16;
+    float kdec[64] __attribute__((aligned(64)));
+    uint16_t *zero_row = kbuf + 16 * 64; /* what missing keys of a partial block point at */
+    memset(zero_row, 0, 64 * sizeof(uint16_t));
+    /* queries transposed: qt[grp][dp][lane] = pair dp of vector grp * 16 + lane (vector v = token v / G,
+     * head v % G); lanes past nv hold zeros and never see a key */
+    memset(qt, 0, sizeof(int32_t) * ngroups * 32 * 16);
+    int32_t pos[48] __attribute__((aligned(64)));
+    for (int64_t v = 0; v < ngroups * 16; v++) pos[v] = INT32_MIN;
+    for (int64_t v = 0; v < nv; v++) {
+        const int64_t tt = v / G, g = v % G;
+        const int32_t *src = (const int32_t *)(q + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * 2);
+        int32_t *dst = qt + (v / 16) * 512 + v % 16;
+        for (int dp = 0; dp < 32; dp++) dst[dp * 16] = src[dp];
+        pos[v] = (int32_t)(start + it->t0 + tt);
+    }
+    memset(acc_t, 0, sizeof(float) * ngroups * 1024);
+    __m512 mrun[3], lrun[3];
+    int32_t gmin[3], gmax[3];
+    for (int64_t grp = 0; grp < ngroups; grp++) {
+        mrun[grp] = _mm512_set1_ps(-INFINITY);
+        lrun[grp] = _mm512_setzero_ps();
+        gmin[grp] = pos[grp * 16];
+        const int64_t last = grp * 16 + 15 < nv - 1 ? grp * 16 + 15 : nv - 1;
+        gmax[grp] = pos[last];
+    }
+    const int64_t p_first = start + it->t0, p_last = start + it->t1 - 1;
+    const int64_t kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
+    /* pairs of adjacent keys per lane: (p_2j, p_2j+1) from cvtne2ps_pbh(p_2j+1, p_2j)'s two halves */
+    const __m512i pair_idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t kb = kmin; kb <= p_last; kb += 16) {
+        const int cnt = p_last - kb + 1 < 16 ? (int)(p_last - kb + 1) : 16;
+        const int32_t *kd[16];
+        __m512i rows[16][2];
+        for (int r = 0; r < 16; r++) {
+            if (r >= cnt) {
+                kd[r] = (const int32_t *)zero_row;
+                rows[r][0] = rows[r][1] = _mm512_setzero_si512();
+                continue;
+            }
+            const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
+            if (dense_k) {
+                kd[r] = (const int32_t *)(k_cache + slot * k_row + k_off);
+            } else { /* decoded values are bf16 values: back to bf16 exactly */
+                const float *x = kv_row(kdec, K, slot, it->kv_head, 64, BS, KVF_BF16);
+                uint16_t *dst = kbuf + r * 64;
+                _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+                _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32)));
+                kd[r] = (const int32_t *)dst;
+            }
+            if (dense_v) {
+                const char *vp = v_cache + slot * v_row + v_off;
+                rows[r][0] = _mm512_loadu_si512(vp);
+                rows[r][1] = _mm512_loadu_si512(vp + 64);
+            } else {
+                const float *x = kv_row(kdec, V, slot, it->kv_head, 64, BS, KVF_BF16);
+                rows[r][0] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+                rows[r][1] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32));
+            }
+        }
+        /* V as pairs of adjacent keys: vx[(4j + c) * 16 + L] = (v_2j, v_2j+1) at dim 32(c/2) + 8(L/4) + 4(c%2) + L%4 */
+        for (int j = 0; j < 8; j++) {
+            _mm512_store_si512(vx + (4 * j) * 16, _mm512_unpacklo_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
+            _mm512_store_si512(vx + (4 * j + 1) * 16, _mm512_unpackhi_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
+            _mm512_store_si512(vx + (4 * j + 2) * 16, _mm512_unpacklo_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
+            _mm512_store_si512(vx + (4 * j + 3) * 16, _mm512_unpackhi_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
+        }
+        for (int64_t grp = 0; grp < ngroups; grp++) {
+            if (kb > gmax[grp]) continue;                                      /* all keys after every lane */
+            if (window > 0 && kb + cnt - 1 <= gmin[grp] - window) continue;     /* all before every window */
+            const int32_t *qg = qt + grp * 512;
+            __m512 s[16];
+            for (int r = 0; r < 16; r++) s[r] = _mm512_setzero_ps();
+            for (int dp = 0; dp < 32; dp++) {
+                const __m512bh qv = (__m512bh)_mm512_load_si512(qg + dp * 16);
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; r++)
+                    s[r] = _mm512_dpbf16_ps(s[r], qv, (__m512bh)_mm512_set1_epi32(kd[r][dp]));
+            }
+            const __m512i P = _mm512_load_si512(pos + grp * 16);
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int r = 0; r < 16; r++) {
+                if (softcap > 0.f) {
+                    float t[16] __attribute__((aligned(64)));
+                    _mm512_store_ps(t, _mm512_mul_ps(s[r], _mm512_set1_ps(scale / softcap)));
+#pragma omp simd
+                    for (int i = 0; i < 16; i++) t[i] = tanhf(t[i]) * softcap;
+                    s[r] = _mm512_load_ps(t);
+                } else {
+                    s[r] = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
+                }
+                const int32_t key = (int32_t)(kb + r);
+                __mmask16 valid = _mm512_cmpge_epi32_mask(P, _mm512_set1_epi32(key));
+                if (window > 0) valid &= _mm512_cmplt_epi32_mask(P, _mm512_set1_epi32((int32_t)(key + window)));
+                s[r] = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s[r]);
+                mx = _mm512_max_ps(mx, s[r]);
+            }
+            const __m512 m_new = _mm512_max_ps(mrun[grp], mx);
+            /* a lane with no visible key yet keeps -inf: subtract 0 there, so exp gives 0, not NaN */
+            const __m512 m_safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                                       m_new, _mm512_setzero_ps());
+            const __m512 corr = exp512(_mm512_sub_ps(mrun[grp], m_safe));
+            mrun[grp] = m_new;
+            __m512 sum = _mm512_setzero_ps();
+            for (int r = 0; r < 16; r++) {
+                s[r] = exp512(_mm512_sub_ps(s[r], m_safe));
+                sum = _mm512_add_ps(sum, s[r]);
+            }
+            lrun[grp] = _mm512_fmadd_ps(lrun[grp], corr, sum);
+            __m512bh pp[8];
+            for (int j = 0; j < 8; j++)
+                pp[j] = (__m512bh)_mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(s[2 * j + 1], s[2 * j]));
+            float *ag = acc_t + grp * 1024;
+            const int jmax = (cnt + 1) / 2;
+            for (int d = 0; d < 64; d++) { /* d = c * 16 + L: the vx layout's (c, L) */
+                const int c = d / 16, L = d % 16;
+                __m512 a = _mm512_mul_ps(_mm512_load_ps(ag + d * 16), corr);
+                for (int j = 0; j < jmax; j++)
+                    a = _mm512_dpbf16_ps(a, pp[j], (__m512bh)_mm512_set1_epi32(vx[(4 * j + c) * 16 + L]));
+                _mm512_store_ps(ag + d * 16, a);
+            }
+        }
+    }
+    /* out: vector v's dim 32(c/2) + 8(L/4) + 4(c%2) + L%4 is acc_t[grp][c * 16 + L][lane] / l[lane] */
+    for (int64_t grp = 0; grp < ngroups; grp++) {
+        float linv[16] __attribute__((aligned(64)));
+        _mm512_store_ps(linv, _mm512_div_ps(_mm512_set1_ps(1.f), lrun[grp]));
+        const float *ag = acc_t + grp * 1024;
+        for (int lane = 0; lane < 16 && grp * 16 + lane < nv; lane++) {
+            const int64_t v = grp * 16 + lane, tt = v / G, g = v % G;
+            float row[64];
+            for (int d = 0; d < 64; d++) {
+                const int c = d / 16, L = d % 16;
+                row[32 * (c / 2) + 8 * (L / 4) + 4 * (c % 2) + L % 4] = ag[d * 16 + lane] * linv[lane];
+            }
+            store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * 2, row, 64, KVF_BF16);
+        }
+    }
+}
+#endif
+
 #define KVF_PREFILL_TILE_VECTORS 48 /* query vectors (tokens x heads of a group) per work item */
 
 int kvf_paged_prefill_supported(int64_t H, int64_t HKV, int64_t D, int64_t DV, int dtype_code) {
@@ -1297,16 +1484,22 @@ int kvf_paged_prefill(
     /* Costliest first: dynamic scheduling then ends with the small tiles, and threads finish together. */
     qsort(items, (size_t)n_items, sizeof(prefill_item), by_cost_desc);
     int failed = 0;
+    /* bf16 on AVX512-BF16: the lanes layout (`prefill_item_bf16`); KVFORGE_PREFILL_LANES=0 keeps the
+     * keys-in-lanes loop (for A/B runs) */
+    const char *lanes_env = getenv("KVFORGE_PREFILL_LANES");
+    const int lanes = dtype_code == 1 && !(lanes_env && lanes_env[0] == '0');
+    (void)lanes;
 #pragma omp parallel
     {
 #ifdef KVF_HAVE_MXCSR
         const unsigned int saved_csr = _mm_getcsr();
         _mm_setcsr(saved_csr | 0x8040); /* FTZ | DAZ, as in the decode kernel */
 #endif
-        float *qf = aligned_alloc(64, sizeof(float) * tile * G * 64);
-        float *acc = aligned_alloc(64, sizeof(float) * tile * G * 64);
+        /* sized for both layouts: the lanes one needs 3 groups of 16 vectors (48 >= tile * G) */
+        float *qf = aligned_alloc(64, sizeof(float) * 48 * 64);
+        float *acc = aligned_alloc(64, sizeof(float) * 48 * 64);
         float *mrun = malloc(sizeof(float) * tile * G), *lrun = malloc(sizeof(float) * tile * G);
-        __m512 *kt = aligned_alloc(64, sizeof(__m512) * 64);
+        __m512 *kt = aligned_alloc(64, sizeof(__m512) * 64); /* lanes layout: 17 bf16 rows (16 + zeros) */
         float *vf = aligned_alloc(64, sizeof(float) * 16 * 64);
         const int ok = qf && acc && mrun && lrun && kt && vf;
         if (!ok) {
@@ -1318,6 +1511,13 @@ int kvf_paged_prefill(
             if (!ok) continue;
             const prefill_item *it = items + i;
             const int64_t c = it->chunk;
+#if defined(__AVX512BF16__)
+            if (lanes) {
+                prefill_item_bf16(it, (const char *)q, K, V, tables + c * MAXNB, row0[c], start[c], (char *)out, H, BS,
+                                  window, scale, softcap, G, (int32_t *)qf, acc, (uint16_t *)kt, (int32_t *)vf);
+                continue;
+            }
+#endif
 #define KVF_PREFILL(GC)                                                                                        \
     prefill_item_run(it, (const char *)q, K, V, tables + c * MAXNB, row0[c], \
                      start[c], (char *)out, H, BS, window, scale, softcap, dtype_code, qf, acc, mrun, lrun, kt, vf, GC)
