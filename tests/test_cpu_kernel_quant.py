@@ -173,6 +173,31 @@ def test_quantized_kernel_without_avx512_builds_and_matches(tmp_path):
         "        _check(q, cache, meta)\n"
         "print('ok')\n"
     ) % os.path.dirname(__file__)
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS="-mno-avx512f", KVFORGE_CACHE_DIR=str(tmp_path))
+    _run_built_with("-mno-avx512f", tmp_path, code)
+
+
+def _run_built_with(flags: str, tmp_path, code: str) -> None:
+    """Run `code` in a fresh process whose kernels are built with KVFORGE_EXTRA_CFLAGS=flags; it prints 'ok'."""
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="needs an AVX-512 CPU to build the AVX-512 8-bit paths")
+@pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512bf16"])
+def test_8bit_paths_under_bf16_without_vnni_or_bf16_instructions(tmp_path, flags):
+    """Under bf16 compute, int8 K takes VPDPWSSD (int16 queries, exact int32 sums), fp8 K and every 8-bit V
+    take VDPBF16PS on codes widened to bf16; built without VNNI, int8 K widens too, and without
+    AVX512-BF16 everything takes the fp32 8-bit path. Each build matches the reference."""
+    code = (
+        "import torch, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from test_cpu_kernel_quant import _case, _check\n"
+        "from kvforge.attention import cpu_kernel\n"
+        "assert cpu_kernel.available(), cpu_kernel.unavailable_reason()\n"
+        "for k, v, gran in (('int8', 'int8', 'token'), ('fp8_e4m3', 'int8', 'head'), ('int8', 'fp8_e5m2', 'tensor')):\n"
+        "    q, cache, meta = _case(k, v, gran, torch.bfloat16, 9, 3, lens=(60, 1, 17, 300))\n"
+        "    _check(q, cache, meta)\n"
+        "print('ok')\n"
+    ) % os.path.dirname(__file__)
+    _run_built_with(flags, tmp_path, code)

@@ -428,24 +428,39 @@ static inline void probs_to_bf16(const float *p, uint16_t *pb, int64_t n) {
     pb[n] = 0;
 }
 
+/* 64 8-bit codes of one row as bf16 (exact: every int8/e4m3/e5m2 code is a bf16 value; e4m3 as value / 256):
+ * lo = dims 0-31, hi = dims 32-63, pairs in dim order as a bf16 row's. */
+static inline __attribute__((always_inline)) void codes_to_bf16(const char *p, const int code, __m512i *lo,
+                                                                 __m512i *hi) {
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(load16_q8(p, 1, code), load16_q8(p, 0, code));
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(load16_q8(p, 3, code), load16_q8(p, 2, code));
+}
+
 /* The bf16 V pass: rows i, i+1 interleaved element by element (unpack), so that one VDPBF16PS adds
  * p_i * v_i + p_{i+1} * v_{i+1} for 16 dims. The four accumulators per head then hold the dims in
  * unpack order; `unpermute_d64` restores them once per item. pb: bf16 probabilities, stride npad. */
 static inline __attribute__((always_inline)) void values_d64_bf16(
     const uint16_t *pb, const char *v_cache, const int64_t *slots, int64_t i0, int cnt, int64_t npad, size_t v_row,
-    size_t head_off, float *acc_mem, const int G) {
+    size_t head_off, float *acc_mem, const int G, const int qcode) {
+    /* qcode 0: bf16 rows; else 8-bit codes of that format, widened to bf16 (`codes_to_bf16`) */
     __m512 acc[8][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * 64 + 16 * c);
     for (int r = 0; r < cnt; r += 2) {
         const int64_t i = i0 + r;
         const char *v0 = v_cache + slots[i] * v_row + head_off;
-        const __m512i a0 = _mm512_loadu_si512(v0), a1 = _mm512_loadu_si512(v0 + 64);
-        __m512i b0 = _mm512_setzero_si512(), b1 = b0;
-        if (r + 1 < cnt) {
-            const char *v1 = v_cache + slots[i + 1] * v_row + head_off;
-            b0 = _mm512_loadu_si512(v1);
-            b1 = _mm512_loadu_si512(v1 + 64);
+        __m512i a0, a1, b0 = _mm512_setzero_si512(), b1 = b0;
+        if (qcode) {
+            codes_to_bf16(v0, qcode, &a0, &a1);
+            if (r + 1 < cnt) codes_to_bf16(v_cache + slots[i + 1] * v_row + head_off, qcode, &b0, &b1);
+        } else {
+            a0 = _mm512_loadu_si512(v0);
+            a1 = _mm512_loadu_si512(v0 + 64);
+            if (r + 1 < cnt) {
+                const char *v1 = v_cache + slots[i + 1] * v_row + head_off;
+                b0 = _mm512_loadu_si512(v1);
+                b1 = _mm512_loadu_si512(v1 + 64);
+            }
         }
         const __m512bh x0 = (__m512bh)_mm512_unpacklo_epi16(a0, b0), x1 = (__m512bh)_mm512_unpackhi_epi16(a0, b0);
         const __m512bh x2 = (__m512bh)_mm512_unpacklo_epi16(a1, b1), x3 = (__m512bh)_mm512_unpackhi_epi16(a1, b1);
@@ -462,6 +477,120 @@ static inline __attribute__((always_inline)) void values_d64_bf16(
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_mem + g * 64 + 16 * c, acc[g][c]);
 }
+
+/* ---- 8-bit rows under bf16 compute, on VDPBF16PS ----------------------------------------------------
+ * Why: widening 8-bit codes to fp32 and multiplying in fp32 (`scores_q8`/`values_q8`) costs about 80
+ * vector ops per row and KV head, over twice a bf16 row's, so an 8-bit cache decoded no faster than a
+ * bf16 one although it moves half the bytes. Every int8, e4m3 and e5m2 code is exactly a bf16 value (at
+ * most 8 significant bits; e4m3 as value / 256, as `load16_q8` yields it), so the widened codes pack
+ * into bf16 pairs without rounding and the products run on VDPBF16PS as the bf16 rows' do: scores with
+ * the queries' own bf16 pairs, then the row's factor on its score; P.V with each probability times its
+ * row's factor rounded to bf16 (the dense bf16 path rounds the probability alone) against two rows of
+ * codes interleaved by element. */
+
+static inline __attribute__((always_inline)) void scores_q8_bf16(
+    const char *qp, const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h,
+    float *st, const int G, const int code) {
+    __m512 part[8 * 16];
+    __m512bh qb[8][2];
+    float fr[16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 2; c++) qb[g][c] = (__m512bh)_mm512_loadu_si512(qp + g * 128 + 64 * c);
+    for (int r = 0; r < 16; r++) {
+        if (r >= cnt) {
+            fr[r] = 0.f;
+            for (int g = 0; g < G; g++) part[g * 16 + r] = _mm512_setzero_ps();
+            continue;
+        }
+        const int64_t slot = slots[i0 + r];
+        fr[r] = q8_factor(K, slot, h);
+        __m512i k0, k1;
+        codes_to_bf16(K->data + slot * K->row_bytes + h * K->head_bytes, code, &k0, &k1);
+        for (int g = 0; g < G; g++)
+            part[g * 16 + r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)k0),
+                                                qb[g][1], (__m512bh)k1);
+    }
+    const __m512 fv = _mm512_loadu_ps(fr);
+    const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
+    for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(st + g * n + i0, m, _mm512_mul_ps(reduce16(part + g * 16), fv));
+}
+
+#if defined(__AVX512VNNI__)
+/* int8 K under bf16 compute, on VPDPWSSD: each query head scaled to int16 once per sequence (its largest
+ * element to 32767: the added error is at most 1/65536 of that element, far below the bf16 rounding the
+ * query already carries), key codes sign-extended to int16, and the products summed exactly in int32;
+ * the sum is then scaled back by the query's and the row's factors. Half the instructions of widening the
+ * codes to bf16 (`scores_q8_bf16`). */
+static void quantize_query_i16(const float *qf, int64_t heads, int16_t *qi, float *qscale) {
+    for (int64_t h = 0; h < heads; h++) {
+        const float *x = qf + h * 64;
+        float amax = 0.f;
+        for (int d = 0; d < 64; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        qscale[h] = amax > 0.f ? amax / 32767.f : 0.f;
+        for (int d = 0; d < 64; d++) qi[h * 64 + d] = (int16_t)lrintf(x[d] * inv);
+    }
+}
+
+static inline __attribute__((always_inline)) void scores_i8_vnni(
+    const int16_t *qi, const float *qscale, const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n,
+    int64_t h, float *st, const int G) {
+    __m512 part[8 * 16];
+    __m512i qv[8][2];
+    float fr[16];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 2; c++) qv[g][c] = _mm512_loadu_si512(qi + g * 64 + 32 * c);
+    for (int r = 0; r < 16; r++) {
+        if (r >= cnt) {
+            fr[r] = 0.f;
+            for (int g = 0; g < G; g++) part[g * 16 + r] = _mm512_setzero_ps();
+            continue;
+        }
+        const int64_t slot = slots[i0 + r];
+        fr[r] = q8_factor(K, slot, h);
+        const char *kp = K->data + slot * K->row_bytes + h * K->head_bytes;
+        const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)kp));
+        const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)kp + 1));
+        for (int g = 0; g < G; g++) /* exact int32 lane sums: |q| <= 32767, |k| <= 128, 4 products a lane */
+            part[g * 16 + r] = _mm512_castsi512_ps(
+                _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qv[g][0], k0), qv[g][1], k1));
+    }
+    /* lane sums to one int32 per row: the same transpose tree as `reduce16`, adding as integers */
+    for (int g = 0; g < G; g++) {
+        const __m512 *v = part + g * 16;
+        __m512i t[8], u[4], w[2];
+        for (int i = 0; i < 8; i++)
+            t[i] = _mm512_add_epi32(_mm512_castps_si512(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1])),
+                                    _mm512_castps_si512(_mm512_unpackhi_ps(v[2 * i], v[2 * i + 1])));
+        for (int i = 0; i < 4; i++)
+            u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+        for (int i = 0; i < 2; i++)
+            w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0x88),
+                                    _mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0xDD));
+        const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
+        const __m512 fv = _mm512_mul_ps(_mm512_loadu_ps(fr), _mm512_set1_ps(qscale[g]));
+        _mm512_mask_storeu_ps(st + g * n + i0, (__mmask16)((1u << cnt) - 1u), _mm512_mul_ps(_mm512_cvtepi32_ps(sum), fv));
+    }
+}
+#endif
+
+/* Probabilities of the G heads of KV head h times each row's factor, rounded to bf16, into pb (stride
+ * npad, a zero after row n - 1 so that rows pair up). */
+static void probs_q8_to_bf16(const float *p, const kvf_kv *V, const int64_t *slots, int64_t n, int64_t h, int G,
+                             uint16_t *pb, int64_t npad, float *fac) {
+    for (int64_t i = 0; i < n; i++) fac[i] = q8_factor(V, slots[i], h);
+    for (int g = 0; g < G; g++) {
+        const float *pg = p + g * n;
+        uint16_t *out = pb + g * npad;
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), _mm512_maskz_loadu_ps(m, fac + i));
+            _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(x));
+        }
+        out[n] = 0;
+    }
+}
+
 
 /* Accumulator c (unpack lo/hi of V's first or second 32 dims), lane 4L + m holds dim
  * 32 * (c / 2) + 8L + 4 * (c % 2) + m: back to dim order, in place. */
@@ -756,7 +885,10 @@ int kvf_paged_decode(
         uint16_t *pb16 = malloc(sizeof(uint16_t) * heads_per_item * G * (n_max + 2));
         /* the AVX2 path's decoded rows (16 per head of the item) and their owed factors */
         float *vbuf = malloc(sizeof(float) * heads_per_item * 16 * 64), *vf = malloc(sizeof(float) * heads_per_item * 16);
-        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf;
+        float *fac = malloc(sizeof(float) * n_max); /* 8-bit V under bf16: each row's factor */
+        int16_t *qi16 = malloc(sizeof(int16_t) * heads_per_item * G * 64); /* int8 K under bf16: int16 queries */
+        float *qscale = malloc(sizeof(float) * heads_per_item * G);
+        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qscale;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -820,6 +952,24 @@ int kvf_paged_decode(
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                     if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(K->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, k_row);
                     for (int64_t j = 0; j < heads_per_item; j++) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+                        if (dtype_code == 1 && K->code == KVF_INT8) {
+                            if (i0 == 0 && j == 0) quantize_query_i16(qf, NH, qi16, qscale);
+#define KVF_SCORES(GC) scores_i8_vnni(qi16 + j * G * 64, qscale + j * G, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC)
+                            KVF_DISPATCH_G(G, KVF_SCORES)
+#undef KVF_SCORES
+                            continue;
+                        }
+#endif
+#if defined(__AVX512BF16__)
+                        if (dtype_code == 1) {
+                            const char *qp = (const char *)q + ((b * H + (kv0 + j) * G) * D) * esz;
+#define KVF_SCORES(GC) scores_q8_bf16(qp, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode)
+                            KVF_DISPATCH_Q8(K->code, KVF_SCORES)
+#undef KVF_SCORES
+                            continue;
+                        }
+#endif
 #define KVF_SCORES(GC) scores_q8(qf + j * G * 64, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode)
                         KVF_DISPATCH_Q8(K->code, KVF_SCORES)
 #undef KVF_SCORES
@@ -899,7 +1049,7 @@ int kvf_paged_decode(
                         const size_t off = (size_t)(kv0 + j) * DV * esz;
 #if defined(__AVX512BF16__)
                         if (bf16_pairs) {
-#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, npad, v_row, off, acc + (j * G) * DV, GC)
+#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, npad, v_row, off, acc + (j * G) * DV, GC, 0)
                             KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
                             continue;
@@ -919,6 +1069,24 @@ int kvf_paged_decode(
 #ifdef KVF_HAVE_AVX512
                 memset(acc, 0, sizeof(float) * NH * DV);
                 prefetch_rows(V->data, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, v_row);
+#if defined(__AVX512BF16__)
+                if (dtype_code == 1) {
+                    const int64_t npad = n + 2 - (n & 1);
+                    for (int64_t j = 0; j < heads_per_item; j++)
+                        probs_q8_to_bf16(scores + (j * G) * n, V, slots, n, kv0 + j, (int)G, pb16 + (j * G) * npad, npad,
+                                         fac);
+                    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                        const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+                        if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
+                        for (int64_t j = 0; j < heads_per_item; j++) {
+#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, V->data, slots, i0, cnt, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, zcode)
+                            KVF_DISPATCH_Q8(V->code, KVF_VALUES)
+#undef KVF_VALUES
+                        }
+                    }
+                    for (int64_t h = 0; h < NH; h++) unpermute_d64(acc + h * DV);
+                } else
+#endif
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                     if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
@@ -971,6 +1139,9 @@ int kvf_paged_decode(
         free(pb16);
         free(vbuf);
         free(vf);
+        free(fac);
+        free(qi16);
+        free(qscale);
 #ifdef KVF_HAVE_MXCSR
         _mm_setcsr(saved_csr);
 #endif
@@ -1296,6 +1467,24 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* An 8-bit row with one scale per row (`q8_reads`), dequantized and rounded to bf16 as `kv_row` does it
+ * (code x scale in fp32, one rounding to nearest even; e4m3's value / 256 times scale x 256 is the same
+ * product), 16 codes per instruction pair instead of kv_row's element loops: lo = dims 0-31, hi = 32-63. */
+static inline __attribute__((always_inline)) void q8_row_bf16(const kvf_kv *op, int64_t slot, int64_t h, __m512i *lo,
+                                                              __m512i *hi) {
+    const char *p = op->data + slot * op->row_bytes + h * op->head_bytes;
+    const __m512 f = _mm512_set1_ps(q8_factor(op, slot, h));
+    __m512 x[4];
+    if (op->code == KVF_INT8)
+        for (int c = 0; c < 4; c++) x[c] = _mm512_mul_ps(load16_q8(p, c, KVF_INT8), f);
+    else if (op->code == KVF_E4M3)
+        for (int c = 0; c < 4; c++) x[c] = _mm512_mul_ps(load16_q8(p, c, KVF_E4M3), f);
+    else
+        for (int c = 0; c < 4; c++) x[c] = _mm512_mul_ps(load16_q8(p, c, KVF_E5M2), f);
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]);
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]);
+}
+
 /* One item (chunk c's query tokens [t0, t1) x the G heads of KV head j) on the lanes layout. Scratch:
  * qt >= 3 x 32 x 16 dwords, acc_t >= 3 x 64 x 16 floats, kbuf 16 x 64 bf16 (+ a zero row), vx 32 x 16
  * dwords, all 64-byte aligned. */
@@ -1308,6 +1497,7 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
     const size_t k_off = (size_t)(it->kv_head * K->head_bytes), v_off = (size_t)(it->kv_head * V->head_bytes);
     const int dense_k = K->code == KVF_BF16 && K->gran == KVF_SCALE_NONE;
     const int dense_v = V->code == KVF_BF16 && V->gran == KVF_SCALE_NONE;
+    const int q8_k = q8_reads(K, KVF_BF16), q8_v = q8_reads(V, KVF_BF16);
     const int64_t nt = it->t1 - it->t0, nv = nt * G, ngroups = (nv + 15) / 16;
     float kdec[64] __attribute__((aligned(64)));
     uint16_t *zero_row = kbuf + 16 * 64; /* what missing keys of a partial block point at */
@@ -1352,6 +1542,12 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
             const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
             if (dense_k) {
                 kd[r] = (const int32_t *)(k_cache + slot * k_row + k_off);
+            } else if (q8_k) {
+                __m512i lo, hi;
+                q8_row_bf16(K, slot, it->kv_head, &lo, &hi);
+                _mm512_storeu_si512(kbuf + r * 64, lo);
+                _mm512_storeu_si512(kbuf + r * 64 + 32, hi);
+                kd[r] = (const int32_t *)(kbuf + r * 64);
             } else { /* decoded values are bf16 values: back to bf16 exactly */
                 const float *x = kv_row(kdec, K, slot, it->kv_head, 64, BS, KVF_BF16);
                 uint16_t *dst = kbuf + r * 64;
@@ -1363,6 +1559,8 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
                 const char *vp = v_cache + slot * v_row + v_off;
                 rows[r][0] = _mm512_loadu_si512(vp);
                 rows[r][1] = _mm512_loadu_si512(vp + 64);
+            } else if (q8_v) {
+                q8_row_bf16(V, slot, it->kv_head, &rows[r][0], &rows[r][1]);
             } else {
                 const float *x = kv_row(kdec, V, slot, it->kv_head, 64, BS, KVF_BF16);
                 rows[r][0] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
