@@ -574,6 +574,84 @@ static inline __attribute__((always_inline)) void scores_i8_vnni(
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+/* int8 V under bf16 compute, on VPDPWSSD: each head's probabilities times its rows' factors scaled to
+ * int16 (the largest to 32767; every term's error is at most 1/65536 of the largest, against 1/512 of
+ * itself for the bf16 rounding the reference applies, so the sum is at least as close) into pi (stride
+ * npad, a zero after row n - 1), vscale[g] the step. Rows' codes are sign-extended to int16 and summed
+ * exactly in int32: at most 2 x 32767 x 128 a row pair per lane, flushed to fp32 every 256 rows
+ * (VNNI_FLUSH_ROWS) before 2^31. */
+#define VNNI_FLUSH_ROWS 256
+static void probs_q8_to_i16(const float *p, const float *fac, int64_t n, int G, int16_t *pi, int64_t npad,
+                            float *vscale) {
+    for (int g = 0; g < G; g++) {
+        const float *pg = p + g * n;
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), _mm512_maskz_loadu_ps(m, fac + i))));
+        }
+        const float amax = _mm512_reduce_max_ps(mx);
+        vscale[g] = amax > 0.f ? amax / 32767.f : 0.f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+        int16_t *out = pi + g * npad;
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+            const __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), _mm512_maskz_loadu_ps(m, fac + i)), inv);
+            _mm256_mask_storeu_epi16(out + i, m, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(x))); /* nearest even */
+        }
+        out[n] = 0;
+    }
+}
+
+/* acc[g] (int32, in unpack order as `values_d64_bf16`) += sum over rows [i0, i0 + cnt) of pi[g][i] * codes_i */
+static inline __attribute__((always_inline)) void values_i8_vnni(
+    const int16_t *pi, const kvf_kv *V, const int64_t *slots, int64_t i0, int cnt, int64_t npad, int64_t h,
+    int32_t *acc_mem, const int G) {
+    __m512i acc[8][4];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_si512(acc_mem + g * 64 + 16 * c);
+    for (int r = 0; r < cnt; r += 2) {
+        const int64_t i = i0 + r;
+        const char *v0 = V->data + slots[i] * V->row_bytes + h * V->head_bytes;
+        const __m512i a0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)v0));
+        const __m512i a1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)v0 + 1));
+        __m512i b0 = _mm512_setzero_si512(), b1 = b0;
+        if (r + 1 < cnt) {
+            const char *v1 = V->data + slots[i + 1] * V->row_bytes + h * V->head_bytes;
+            b0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)v1));
+            b1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)v1 + 1));
+        }
+        const __m512i x0 = _mm512_unpacklo_epi16(a0, b0), x1 = _mm512_unpackhi_epi16(a0, b0);
+        const __m512i x2 = _mm512_unpacklo_epi16(a1, b1), x3 = _mm512_unpackhi_epi16(a1, b1);
+        for (int g = 0; g < G; g++) {
+            int32_t pair;
+            memcpy(&pair, pi + g * npad + i, 4);
+            const __m512i w = _mm512_set1_epi32(pair);
+            acc[g][0] = _mm512_dpwssd_epi32(acc[g][0], w, x0);
+            acc[g][1] = _mm512_dpwssd_epi32(acc[g][1], w, x1);
+            acc[g][2] = _mm512_dpwssd_epi32(acc[g][2], w, x2);
+            acc[g][3] = _mm512_dpwssd_epi32(acc[g][3], w, x3);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_si512(acc_mem + g * 64 + 16 * c, acc[g][c]);
+}
+
+/* acc (fp32) += acci x vscale per head, and acci back to zero */
+static void flush_i32(float *acc, int32_t *acci, const float *vscale, int64_t heads) {
+    for (int64_t h = 0; h < heads; h++) {
+        const __m512 sc = _mm512_set1_ps(vscale[h]);
+        for (int c = 0; c < 4; c++) {
+            float *a = acc + h * 64 + 16 * c;
+            int32_t *ai = acci + h * 64 + 16 * c;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(ai)), sc, _mm512_loadu_ps(a)));
+            _mm512_storeu_si512(ai, _mm512_setzero_si512());
+        }
+    }
+}
+#endif
+
 /* Probabilities of the G heads of KV head h times each row's factor, rounded to bf16, into pb (stride
  * npad, a zero after row n - 1 so that rows pair up). */
 static void probs_q8_to_bf16(const float *p, const kvf_kv *V, const int64_t *slots, int64_t n, int64_t h, int G,
@@ -888,7 +966,9 @@ int kvf_paged_decode(
         float *fac = malloc(sizeof(float) * n_max); /* 8-bit V under bf16: each row's factor */
         int16_t *qi16 = malloc(sizeof(int16_t) * heads_per_item * G * 64); /* int8 K under bf16: int16 queries */
         float *qscale = malloc(sizeof(float) * heads_per_item * G);
-        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qscale;
+        float *vscale = malloc(sizeof(float) * heads_per_item * G); /* int8 V under bf16: int16 probability steps */
+        int32_t *acci = malloc(sizeof(int32_t) * heads_per_item * G * 64);
+        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qscale && vscale && acci;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1070,6 +1150,28 @@ int kvf_paged_decode(
                 memset(acc, 0, sizeof(float) * NH * DV);
                 prefetch_rows(V->data, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, v_row);
 #if defined(__AVX512BF16__)
+#if defined(__AVX512VNNI__)
+                if (dtype_code == 1 && V->code == KVF_INT8) {
+                    const int64_t npad = n + 2 - (n & 1);
+                    int16_t *pi = (int16_t *)pb16;
+                    for (int64_t j = 0; j < heads_per_item; j++) {
+                        for (int64_t i = 0; i < n; i++) fac[i] = q8_factor(V, slots[i], kv0 + j);
+                        probs_q8_to_i16(scores + (j * G) * n, fac, n, (int)G, pi + (j * G) * npad, npad, vscale + j * G);
+                    }
+                    memset(acci, 0, sizeof(int32_t) * NH * DV);
+                    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                        const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+                        if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
+                        for (int64_t j = 0; j < heads_per_item; j++) {
+#define KVF_VALUES(GC) values_i8_vnni(pi + (j * G) * npad, V, slots, i0, cnt, npad, kv0 + j, acci + (j * G) * DV, GC)
+                            KVF_DISPATCH_G(G, KVF_VALUES)
+#undef KVF_VALUES
+                        }
+                        if ((i0 + 16) % VNNI_FLUSH_ROWS == 0 || i0 + 16 >= n) flush_i32(acc, acci, vscale, NH);
+                    }
+                    for (int64_t h = 0; h < NH; h++) unpermute_d64(acc + h * DV);
+                } else
+#endif
                 if (dtype_code == 1) {
                     const int64_t npad = n + 2 - (n & 1);
                     for (int64_t j = 0; j < heads_per_item; j++)
@@ -1142,6 +1244,8 @@ int kvf_paged_decode(
         free(fac);
         free(qi16);
         free(qscale);
+        free(vscale);
+        free(acci);
 #ifdef KVF_HAVE_MXCSR
         _mm_setcsr(saved_csr);
 #endif
