@@ -436,13 +436,23 @@ static inline __attribute__((always_inline)) void codes_to_bf16(const char *p, c
     *hi = (__m512i)_mm512_cvtne2ps_pbh(load16_q8(p, 3, code), load16_q8(p, 2, code));
 }
 
+/* 64 8-bit codes of one row dequantized as the reference does it: code x the row's factor in fp32, rounded
+ * once to bf16 (e4m3's value / 256 times scale x 256 is the same product). */
+static inline __attribute__((always_inline)) void dequant_row_bf16(const char *p, float factor, const int code,
+                                                                    __m512i *lo, __m512i *hi) {
+    const __m512 f = _mm512_set1_ps(factor);
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(load16_q8(p, 1, code), f), _mm512_mul_ps(load16_q8(p, 0, code), f));
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(load16_q8(p, 3, code), f), _mm512_mul_ps(load16_q8(p, 2, code), f));
+}
+
 /* The bf16 V pass: rows i, i+1 interleaved element by element (unpack), so that one VDPBF16PS adds
  * p_i * v_i + p_{i+1} * v_{i+1} for 16 dims. The four accumulators per head then hold the dims in
  * unpack order; `unpermute_d64` restores them once per item. pb: bf16 probabilities, stride npad. */
 static inline __attribute__((always_inline)) void values_d64_bf16(
     const uint16_t *pb, const char *v_cache, const int64_t *slots, int64_t i0, int cnt, int64_t npad, size_t v_row,
-    size_t head_off, float *acc_mem, const int G, const int qcode) {
-    /* qcode 0: bf16 rows; else 8-bit codes of that format, widened to bf16 (`codes_to_bf16`) */
+    size_t head_off, float *acc_mem, const int G, const kvf_kv *Vq, int64_t h, const int qcode) {
+    /* qcode 0: bf16 rows; else 8-bit rows of that format (operand Vq, KV head h), dequantized to bf16 as the
+     * reference dequantizes them (`dequant_row_bf16`) */
     __m512 acc[8][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * 64 + 16 * c);
@@ -451,8 +461,9 @@ static inline __attribute__((always_inline)) void values_d64_bf16(
         const char *v0 = v_cache + slots[i] * v_row + head_off;
         __m512i a0, a1, b0 = _mm512_setzero_si512(), b1 = b0;
         if (qcode) {
-            codes_to_bf16(v0, qcode, &a0, &a1);
-            if (r + 1 < cnt) codes_to_bf16(v_cache + slots[i + 1] * v_row + head_off, qcode, &b0, &b1);
+            dequant_row_bf16(v0, q8_factor(Vq, slots[i], h), qcode, &a0, &a1);
+            if (r + 1 < cnt)
+                dequant_row_bf16(v_cache + slots[i + 1] * v_row + head_off, q8_factor(Vq, slots[i + 1], h), qcode, &b0, &b1);
         } else {
             a0 = _mm512_loadu_si512(v0);
             a1 = _mm512_loadu_si512(v0 + 64);
@@ -484,9 +495,9 @@ static inline __attribute__((always_inline)) void values_d64_bf16(
  * bf16 one although it moves half the bytes. Every int8, e4m3 and e5m2 code is exactly a bf16 value (at
  * most 8 significant bits; e4m3 as value / 256, as `load16_q8` yields it), so the widened codes pack
  * into bf16 pairs without rounding and the products run on VDPBF16PS as the bf16 rows' do: scores with
- * the queries' own bf16 pairs, then the row's factor on its score; P.V with each probability times its
- * row's factor rounded to bf16 (the dense bf16 path rounds the probability alone) against two rows of
- * codes interleaved by element. */
+ * the queries' own bf16 pairs, then the row's factor on its score. For P.V each row is dequantized to
+ * bf16 as the reference does it (code x factor in fp32, one rounding) and the probabilities are rounded
+ * to bf16, so a V row read with probability 1 comes out bit for bit as the reference's. */
 
 static inline __attribute__((always_inline)) void scores_q8_bf16(
     const char *qp, const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h,
@@ -652,22 +663,6 @@ static void flush_i32(float *acc, int32_t *acci, const float *vscale, int64_t he
 }
 #endif
 
-/* Probabilities of the G heads of KV head h times each row's factor, rounded to bf16, into pb (stride
- * npad, a zero after row n - 1 so that rows pair up). */
-static void probs_q8_to_bf16(const float *p, const kvf_kv *V, const int64_t *slots, int64_t n, int64_t h, int G,
-                             uint16_t *pb, int64_t npad, float *fac) {
-    for (int64_t i = 0; i < n; i++) fac[i] = q8_factor(V, slots[i], h);
-    for (int g = 0; g < G; g++) {
-        const float *pg = p + g * n;
-        uint16_t *out = pb + g * npad;
-        for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), _mm512_maskz_loadu_ps(m, fac + i));
-            _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(x));
-        }
-        out[n] = 0;
-    }
-}
 
 
 /* Accumulator c (unpack lo/hi of V's first or second 32 dims), lane 4L + m holds dim
@@ -1129,7 +1124,7 @@ int kvf_paged_decode(
                         const size_t off = (size_t)(kv0 + j) * DV * esz;
 #if defined(__AVX512BF16__)
                         if (bf16_pairs) {
-#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, npad, v_row, off, acc + (j * G) * DV, GC, 0)
+#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, npad, v_row, off, acc + (j * G) * DV, GC, NULL, 0, 0)
                             KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
                             continue;
@@ -1174,14 +1169,12 @@ int kvf_paged_decode(
 #endif
                 if (dtype_code == 1) {
                     const int64_t npad = n + 2 - (n & 1);
-                    for (int64_t j = 0; j < heads_per_item; j++)
-                        probs_q8_to_bf16(scores + (j * G) * n, V, slots, n, kv0 + j, (int)G, pb16 + (j * G) * npad, npad,
-                                         fac);
+                    for (int64_t h = 0; h < NH; h++) probs_to_bf16(scores + h * n, pb16 + h * npad, n);
                     for (int64_t i0 = 0; i0 < n; i0 += 16) {
                         const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                         if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
                         for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, V->data, slots, i0, cnt, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, zcode)
+#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, V->data, slots, i0, cnt, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, V, kv0 + j, zcode)
                             KVF_DISPATCH_Q8(V->code, KVF_VALUES)
 #undef KVF_VALUES
                         }
@@ -1577,16 +1570,13 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
 static inline __attribute__((always_inline)) void q8_row_bf16(const kvf_kv *op, int64_t slot, int64_t h, __m512i *lo,
                                                               __m512i *hi) {
     const char *p = op->data + slot * op->row_bytes + h * op->head_bytes;
-    const __m512 f = _mm512_set1_ps(q8_factor(op, slot, h));
-    __m512 x[4];
+    const float f = q8_factor(op, slot, h);
     if (op->code == KVF_INT8)
-        for (int c = 0; c < 4; c++) x[c] = _mm512_mul_ps(load16_q8(p, c, KVF_INT8), f);
+        dequant_row_bf16(p, f, KVF_INT8, lo, hi);
     else if (op->code == KVF_E4M3)
-        for (int c = 0; c < 4; c++) x[c] = _mm512_mul_ps(load16_q8(p, c, KVF_E4M3), f);
+        dequant_row_bf16(p, f, KVF_E4M3, lo, hi);
     else
-        for (int c = 0; c < 4; c++) x[c] = _mm512_mul_ps(load16_q8(p, c, KVF_E5M2), f);
-    *lo = (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]);
-    *hi = (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]);
+        dequant_row_bf16(p, f, KVF_E5M2, lo, hi);
 }
 
 /* One item (chunk c's query tokens [t0, t1) x the G heads of KV head j) on the lanes layout. Scratch:
