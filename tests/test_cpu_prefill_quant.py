@@ -111,18 +111,20 @@ def test_quantized_engine_prefill_uses_the_kernel(monkeypatch):
     assert calls == [1]
 
 
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lanes", ["1", "0"], ids=["lanes", "keys-in-lanes"])
 @pytest.mark.parametrize("k_dtype,v_dtype,gran", [("bfloat16", "bfloat16", "none"), ("int8", "fp8_e4m3", "token"),
                                                   ("float32", "int4", "channel")])
 @pytest.mark.parametrize("heads,kv_heads,bs", [(4, 4, 16), (9, 3, 16), (10, 2, 5), (14, 2, 7), (8, 1, 1)],
                          ids=["mha", "g3", "g5-bs5", "g7-bs7", "mqa-bs1"])
-def test_bf16_layouts_groups_windows_and_softcap(monkeypatch, lanes, k_dtype, v_dtype, gran, heads, kv_heads, bs):
-    """bf16 compute, both loops: query vectors in lanes (the default: 16 vectors share each register,
-    per-lane masks, vector softmax) and keys in lanes (KVFORGE_PREFILL_LANES=0). Chunks of 1-70 tokens
-    make partial lane groups and partial key blocks; windows cut blocks on both sides."""
+def test_both_layouts_groups_windows_and_softcap(monkeypatch, compute, lanes, k_dtype, v_dtype, gran, heads, kv_heads,
+                                                 bs):
+    """fp32 and bf16 compute, both loops: query vectors in lanes (the default: 16 vectors share each
+    register, per-lane masks, vector softmax) and keys in lanes (KVFORGE_PREFILL_LANES=0). Chunks of 1-70
+    tokens make partial lane groups and partial key blocks; windows cut blocks on both sides."""
     monkeypatch.setenv("KVFORGE_PREFILL_LANES", lanes)
-    q, cache, chunks = _quantized_prefill(k_dtype, v_dtype, gran, torch.bfloat16, heads, kv_heads, bs,
+    q, cache, chunks = _quantized_prefill(k_dtype, v_dtype, gran, compute, heads, kv_heads, bs,
                                           [(0, 40), (19, 9), (0, 1), (70, 33), (5, 70)], seed=2)
     _check(q, cache, chunks)
-    _check(q * 4, cache, chunks, window=13)
-    _check(q * 4, cache, chunks, softcap=5.0)
+    _check(q * 4, cache, chunks, window=13, tol=1e-4)
+    _check(q * 4, cache, chunks, softcap=5.0, tol=1e-4)

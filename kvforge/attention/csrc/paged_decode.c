@@ -1531,7 +1531,7 @@ static inline __attribute__((always_inline)) void prefill_item_run(
 }
 #endif
 
-#if defined(KVF_HAVE_AVX512) && defined(__AVX512BF16__)
+#if defined(KVF_HAVE_AVX512)
 /* ---- bf16 prefill with query vectors in lanes -------------------------------------------------------
  * Why: with keys in lanes (`prefill_item_run`), every query vector pays, per 16 keys, two horizontal
  * reductions (max, sum), a scalar exp for the running-max correction and a reload of its 64
@@ -1564,6 +1564,7 @@ static inline __attribute__((always_inline)) __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+#if defined(__AVX512BF16__)
 /* An 8-bit row with one scale per row (`q8_reads`), dequantized and rounded to bf16 as `kv_row` does it
  * (code x scale in fp32, one rounding to nearest even; e4m3's value / 256 times scale x 256 is the same
  * product), 16 codes per instruction pair instead of kv_row's element loops: lo = dims 0-31, hi = 32-63. */
@@ -1579,6 +1580,88 @@ static inline __attribute__((always_inline)) void q8_row_bf16(const kvf_kv *op, 
         dequant_row_bf16(p, f, KVF_E5M2, lo, hi);
 }
 
+#endif /* __AVX512BF16__ */
+
+/* One block of 16 keys for 16 query vectors in lanes: s[r] holds the raw scores against key kb + r; they
+ * are scaled (or soft-capped), masked per lane (causal at the lane's position P, and its window), and
+ * replaced by their exp against the updated running max; the running max and sum advance, and the
+ * factor the accumulators owe for the new max is returned. */
+static inline __attribute__((always_inline)) __m512 lanes_softmax(__m512 *s, __m512i P, int64_t kb, int64_t window,
+                                                                  float scale, float softcap, __m512 *mrun,
+                                                                  __m512 *lrun) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < 16; r++) {
+        if (softcap > 0.f) {
+            float t[16] __attribute__((aligned(64)));
+            _mm512_store_ps(t, _mm512_mul_ps(s[r], _mm512_set1_ps(scale / softcap)));
+#pragma omp simd
+            for (int i = 0; i < 16; i++) t[i] = tanhf(t[i]) * softcap;
+            s[r] = _mm512_load_ps(t);
+        } else {
+            s[r] = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
+        }
+        const int32_t key = (int32_t)(kb + r);
+        __mmask16 valid = _mm512_cmpge_epi32_mask(P, _mm512_set1_epi32(key));
+        if (window > 0) valid &= _mm512_cmplt_epi32_mask(P, _mm512_set1_epi32((int32_t)(key + window)));
+        s[r] = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s[r]);
+        mx = _mm512_max_ps(mx, s[r]);
+    }
+    const __m512 m_new = _mm512_max_ps(*mrun, mx);
+    /* a lane with no visible key yet keeps -inf: subtract 0 there, so exp gives 0, not NaN */
+    const __m512 m_safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                               m_new, _mm512_setzero_ps());
+    const __m512 corr = exp512(_mm512_sub_ps(*mrun, m_safe));
+    *mrun = m_new;
+    __m512 sum = _mm512_setzero_ps();
+    for (int r = 0; r < 16; r++) {
+        s[r] = exp512(_mm512_sub_ps(s[r], m_safe));
+        sum = _mm512_add_ps(sum, s[r]);
+    }
+    *lrun = _mm512_fmadd_ps(*lrun, corr, sum);
+    return corr;
+}
+
+/* Queries of an item transposed into lanes: qt[grp][e][lane] = element (or bf16 pair) e of vector
+ * grp * 16 + lane (vector v = token v / G, head v % G), `per` 32-bit words a vector; pos[v] its position
+ * (INT32_MIN past nv: such lanes never see a key). */
+static void lanes_queries(const prefill_item *it, const char *q, int64_t row0, int64_t start, int64_t H, int64_t G,
+                          int per, int32_t *qt, int32_t *pos) {
+    const int64_t nt = it->t1 - it->t0, nv = nt * G, ngroups = (nv + 15) / 16;
+    memset(qt, 0, sizeof(int32_t) * ngroups * per * 16);
+    for (int64_t v = 0; v < ngroups * 16; v++) pos[v] = INT32_MIN;
+    for (int64_t v = 0; v < nv; v++) {
+        const int64_t tt = v / G, g = v % G;
+        const int32_t *src = (const int32_t *)q + ((row0 + it->t0 + tt) * H + it->kv_head * G + g) * per;
+        int32_t *dst = qt + (v / 16) * per * 16 + v % 16;
+        for (int e = 0; e < per; e++) dst[e * 16] = src[e];
+        pos[v] = (int32_t)(start + it->t0 + tt);
+    }
+}
+
+/* The lanes layout's output: vector v's dim is acc_t[grp][idx][lane] / l[lane], idx = dim (fp32) or the
+ * unpack order of `prefill_item_bf16` (bf16). */
+static void lanes_store(const prefill_item *it, char *out, int64_t row0, int64_t H, int64_t G, const float *acc_t,
+                        const __m512 *lrun, int code) {
+    const int64_t nv = (it->t1 - it->t0) * G, ngroups = (nv + 15) / 16;
+    const size_t esz = code == KVF_F32 ? 4 : 2;
+    for (int64_t grp = 0; grp < ngroups; grp++) {
+        float linv[16] __attribute__((aligned(64)));
+        _mm512_store_ps(linv, _mm512_div_ps(_mm512_set1_ps(1.f), lrun[grp]));
+        const float *ag = acc_t + grp * 1024;
+        for (int lane = 0; lane < 16 && grp * 16 + lane < nv; lane++) {
+            const int64_t v = grp * 16 + lane, tt = v / G, g = v % G;
+            float row[64];
+            for (int d = 0; d < 64; d++) {
+                const int c = d / 16, L = d % 16;
+                const int dim = code == KVF_F32 ? d : 32 * (c / 2) + 8 * (L / 4) + 4 * (c % 2) + L % 4;
+                row[dim] = ag[d * 16 + lane] * linv[lane];
+            }
+            store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * esz, row, 64, code);
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
 /* One item (chunk c's query tokens [t0, t1) x the G heads of KV head j) on the lanes layout. Scratch:
  * qt >= 3 x 32 x 16 dwords, acc_t >= 3 x 64 x 16 floats, kbuf 16 x 64 bf16 (+ a zero row), vx 32 x 16
  * dwords, all 64-byte aligned. */
@@ -1596,18 +1679,8 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
     float kdec[64] __attribute__((aligned(64)));
     uint16_t *zero_row = kbuf + 16 * 64; /* what missing keys of a partial block point at */
     memset(zero_row, 0, 64 * sizeof(uint16_t));
-    /* queries transposed: qt[grp][dp][lane] = pair dp of vector grp * 16 + lane (vector v = token v / G,
-     * head v % G); lanes past nv hold zeros and never see a key */
-    memset(qt, 0, sizeof(int32_t) * ngroups * 32 * 16);
     int32_t pos[48] __attribute__((aligned(64)));
-    for (int64_t v = 0; v < ngroups * 16; v++) pos[v] = INT32_MIN;
-    for (int64_t v = 0; v < nv; v++) {
-        const int64_t tt = v / G, g = v % G;
-        const int32_t *src = (const int32_t *)(q + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * 2);
-        int32_t *dst = qt + (v / 16) * 512 + v % 16;
-        for (int dp = 0; dp < 32; dp++) dst[dp * 16] = src[dp];
-        pos[v] = (int32_t)(start + it->t0 + tt);
-    }
+    lanes_queries(it, q, row0, start, H, G, 32, qt, pos); /* 32 bf16 pairs a vector */
     memset(acc_t, 0, sizeof(float) * ngroups * 1024);
     __m512 mrun[3], lrun[3];
     int32_t gmin[3], gmax[3];
@@ -1680,36 +1753,8 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
                 for (int r = 0; r < 16; r++)
                     s[r] = _mm512_dpbf16_ps(s[r], qv, (__m512bh)_mm512_set1_epi32(kd[r][dp]));
             }
-            const __m512i P = _mm512_load_si512(pos + grp * 16);
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int r = 0; r < 16; r++) {
-                if (softcap > 0.f) {
-                    float t[16] __attribute__((aligned(64)));
-                    _mm512_store_ps(t, _mm512_mul_ps(s[r], _mm512_set1_ps(scale / softcap)));
-#pragma omp simd
-                    for (int i = 0; i < 16; i++) t[i] = tanhf(t[i]) * softcap;
-                    s[r] = _mm512_load_ps(t);
-                } else {
-                    s[r] = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
-                }
-                const int32_t key = (int32_t)(kb + r);
-                __mmask16 valid = _mm512_cmpge_epi32_mask(P, _mm512_set1_epi32(key));
-                if (window > 0) valid &= _mm512_cmplt_epi32_mask(P, _mm512_set1_epi32((int32_t)(key + window)));
-                s[r] = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), s[r]);
-                mx = _mm512_max_ps(mx, s[r]);
-            }
-            const __m512 m_new = _mm512_max_ps(mrun[grp], mx);
-            /* a lane with no visible key yet keeps -inf: subtract 0 there, so exp gives 0, not NaN */
-            const __m512 m_safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                                                       m_new, _mm512_setzero_ps());
-            const __m512 corr = exp512(_mm512_sub_ps(mrun[grp], m_safe));
-            mrun[grp] = m_new;
-            __m512 sum = _mm512_setzero_ps();
-            for (int r = 0; r < 16; r++) {
-                s[r] = exp512(_mm512_sub_ps(s[r], m_safe));
-                sum = _mm512_add_ps(sum, s[r]);
-            }
-            lrun[grp] = _mm512_fmadd_ps(lrun[grp], corr, sum);
+            const __m512 corr = lanes_softmax(s, _mm512_load_si512(pos + grp * 16), kb, window, scale, softcap,
+                                              &mrun[grp], &lrun[grp]);
             __m512bh pp[8];
             for (int j = 0; j < 8; j++)
                 pp[j] = (__m512bh)_mm512_permutexvar_epi16(pair_idx, (__m512i)_mm512_cvtne2ps_pbh(s[2 * j + 1], s[2 * j]));
@@ -1724,23 +1769,76 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
             }
         }
     }
-    /* out: vector v's dim 32(c/2) + 8(L/4) + 4(c%2) + L%4 is acc_t[grp][c * 16 + L][lane] / l[lane] */
-    for (int64_t grp = 0; grp < ngroups; grp++) {
-        float linv[16] __attribute__((aligned(64)));
-        _mm512_store_ps(linv, _mm512_div_ps(_mm512_set1_ps(1.f), lrun[grp]));
-        const float *ag = acc_t + grp * 1024;
-        for (int lane = 0; lane < 16 && grp * 16 + lane < nv; lane++) {
-            const int64_t v = grp * 16 + lane, tt = v / G, g = v % G;
-            float row[64];
-            for (int d = 0; d < 64; d++) {
-                const int c = d / 16, L = d % 16;
-                row[32 * (c / 2) + 8 * (L / 4) + 4 * (c % 2) + L % 4] = ag[d * 16 + lane] * linv[lane];
-            }
-            store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * 2, row, 64, KVF_BF16);
-        }
-    }
+    lanes_store(it, out, row0, H, G, acc_t, lrun, KVF_BF16);
 }
 #endif
+
+/* fp32 on the lanes layout: the same loop as `prefill_item_bf16` with fp32 FMAs (64 a key for the scores,
+ * 16 a dim for P.V), rows read as fp32 where they lie or decoded by `kv_row` as the keys-in-lanes loop
+ * decodes them. Scratch: qt and acc_t >= 3 x 64 x 16 floats, kbuf 17 x 64 floats (16 rows and zeros),
+ * vbuf 16 x 64 floats, all 64-byte aligned. */
+static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
+                             const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
+                             int64_t window, float scale, float softcap, int64_t G, float *qt, float *acc_t,
+                             float *kbuf, float *vbuf) {
+    const int64_t nv = (it->t1 - it->t0) * G, ngroups = (nv + 15) / 16;
+    float *zero_row = kbuf + 16 * 64;
+    memset(zero_row, 0, 64 * sizeof(float));
+    int32_t pos[48] __attribute__((aligned(64)));
+    lanes_queries(it, q, row0, start, H, G, 64, (int32_t *)qt, pos); /* 64 floats a vector */
+    memset(acc_t, 0, sizeof(float) * ngroups * 1024);
+    __m512 mrun[3], lrun[3];
+    int32_t gmin[3], gmax[3];
+    for (int64_t grp = 0; grp < ngroups; grp++) {
+        mrun[grp] = _mm512_set1_ps(-INFINITY);
+        lrun[grp] = _mm512_setzero_ps();
+        gmin[grp] = pos[grp * 16];
+        gmax[grp] = pos[grp * 16 + 15 < nv - 1 ? grp * 16 + 15 : nv - 1];
+    }
+    const int64_t p_first = start + it->t0, p_last = start + it->t1 - 1;
+    const int64_t kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
+    for (int64_t kb = kmin; kb <= p_last; kb += 16) {
+        const int cnt = p_last - kb + 1 < 16 ? (int)(p_last - kb + 1) : 16;
+        const float *kd[16], *vd[16];
+        for (int r = 0; r < 16; r++) {
+            if (r >= cnt) {
+                kd[r] = vd[r] = zero_row;
+                continue;
+            }
+            const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
+            kd[r] = kv_row(kbuf + r * 64, K, slot, it->kv_head, 64, BS, KVF_F32);
+            vd[r] = kv_row(vbuf + r * 64, V, slot, it->kv_head, 64, BS, KVF_F32);
+        }
+        for (int64_t grp = 0; grp < ngroups; grp++) {
+            if (kb > gmax[grp]) continue;                                  /* all keys after every lane */
+            if (window > 0 && kb + cnt - 1 <= gmin[grp] - window) continue; /* all before every window */
+            const float *qg = qt + grp * 1024;
+            /* each score as two 32-term chains added at the end (one 64-term chain lost ~1.5x in accuracy) */
+            __m512 s[16], half[16];
+            for (int h2 = 0; h2 < 2; h2++) {
+                for (int r = 0; r < 16; r++) s[r] = _mm512_setzero_ps();
+                for (int d = 32 * h2; d < 32 * h2 + 32; d++) {
+                    const __m512 qv = _mm512_load_ps(qg + d * 16);
+#pragma GCC unroll 16
+                    for (int r = 0; r < 16; r++) s[r] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kd[r][d]), s[r]);
+                }
+                if (h2 == 0)
+                    for (int r = 0; r < 16; r++) half[r] = s[r];
+            }
+            for (int r = 0; r < 16; r++) s[r] = _mm512_add_ps(s[r], half[r]);
+            const __m512 corr = lanes_softmax(s, _mm512_load_si512(pos + grp * 16), kb, window, scale, softcap,
+                                              &mrun[grp], &lrun[grp]);
+            float *ag = acc_t + grp * 1024;
+            for (int d = 0; d < 64; d++) {
+                __m512 a = _mm512_mul_ps(_mm512_load_ps(ag + d * 16), corr);
+                for (int r = 0; r < cnt; r++) a = _mm512_fmadd_ps(s[r], _mm512_set1_ps(vd[r][d]), a);
+                _mm512_store_ps(ag + d * 16, a);
+            }
+        }
+    }
+    lanes_store(it, out, row0, H, G, acc_t, lrun, KVF_F32);
+}
+#endif /* KVF_HAVE_AVX512 */
 
 #define KVF_PREFILL_TILE_VECTORS 48 /* query vectors (tokens x heads of a group) per work item */
 
@@ -1776,10 +1874,10 @@ int kvf_paged_prefill(
     /* Costliest first: dynamic scheduling then ends with the small tiles, and threads finish together. */
     qsort(items, (size_t)n_items, sizeof(prefill_item), by_cost_desc);
     int failed = 0;
-    /* bf16 on AVX512-BF16: the lanes layout (`prefill_item_bf16`); KVFORGE_PREFILL_LANES=0 keeps the
-     * keys-in-lanes loop (for A/B runs) */
+    /* the lanes layout (`prefill_item_f32`, `prefill_item_bf16` on AVX512-BF16); KVFORGE_PREFILL_LANES=0
+     * keeps the keys-in-lanes loop (for A/B runs) */
     const char *lanes_env = getenv("KVFORGE_PREFILL_LANES");
-    const int lanes = dtype_code == 1 && !(lanes_env && lanes_env[0] == '0');
+    const int lanes = !(lanes_env && lanes_env[0] == '0');
     (void)lanes;
 #pragma omp parallel
     {
@@ -1791,7 +1889,7 @@ int kvf_paged_prefill(
         float *qf = aligned_alloc(64, sizeof(float) * 48 * 64);
         float *acc = aligned_alloc(64, sizeof(float) * 48 * 64);
         float *mrun = malloc(sizeof(float) * tile * G), *lrun = malloc(sizeof(float) * tile * G);
-        __m512 *kt = aligned_alloc(64, sizeof(__m512) * 64); /* lanes layout: 17 bf16 rows (16 + zeros) */
+        __m512 *kt = aligned_alloc(64, sizeof(__m512) * 68); /* lanes layouts: 17 rows (16 + zeros) */
         float *vf = aligned_alloc(64, sizeof(float) * 16 * 64);
         const int ok = qf && acc && mrun && lrun && kt && vf;
         if (!ok) {
@@ -1803,8 +1901,13 @@ int kvf_paged_prefill(
             if (!ok) continue;
             const prefill_item *it = items + i;
             const int64_t c = it->chunk;
+            if (lanes && dtype_code == 0) {
+                prefill_item_f32(it, (const char *)q, K, V, tables + c * MAXNB, row0[c], start[c], (char *)out, H, BS,
+                                 window, scale, softcap, G, qf, acc, (float *)kt, vf);
+                continue;
+            }
 #if defined(__AVX512BF16__)
-            if (lanes) {
+            if (lanes && dtype_code == 1) {
                 prefill_item_bf16(it, (const char *)q, K, V, tables + c * MAXNB, row0[c], start[c], (char *)out, H, BS,
                                   window, scale, softcap, G, (int32_t *)qf, acc, (uint16_t *)kt, (int32_t *)vf);
                 continue;
