@@ -245,19 +245,27 @@ static inline void prefetch_rows(const char *cache, const int64_t *slots, int64_
 /* Sixteen 16-lane partial dot products in, one vector of their sixteen sums out (lane r = sum of
  * v[r]). A transpose-and-add tree: 45 vector ops for 16 scores, where a horizontal reduction per
  * score would take about 8 each, and the reductions were what bounded the score pass. */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
+/* One add of the reduction tree: fp32, or int32 lanes held in float registers (exact integer sums). */
+static inline __attribute__((always_inline)) __m512 add16(__m512 a, __m512 b, const int ints) {
+    return ints ? _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)))
+                : _mm512_add_ps(a, b);
+}
+
+static inline __attribute__((always_inline)) __m512 reduce16_as(const __m512 *v, const int ints) {
     __m512 t[8], u[4], w[2];
     for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+        t[i] = add16(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]), ints);
     for (int i = 0; i < 4; i++) {
         const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+        u[i] = add16(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)), ints);
     }
     for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+        w[i] = add16(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                     _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD), ints);
+    return add16(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD), ints);
 }
+
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) { return reduce16_as(v, 0); }
 
 /* q . k for 64 fp32 elements held in four vectors each, left as 16 lane sums (two chains, one add). */
 static inline __attribute__((always_inline)) __m512 dot64_lanes(const __m512 *q, const __m512 *k) {
@@ -366,15 +374,45 @@ static int q8_reads(const kvf_kv *op, int compute) {
            (op->gran == KVF_SCALE_TENSOR || op->gran == KVF_SCALE_TOKEN || op->gran == KVF_SCALE_HEAD);
 }
 
-/* Scores of rows [i0, i0 + cnt) (cnt <= 16) of KV head h against its G query heads (fp32, 4 vectors a
- * head at qs) into st[g * n + i], as `scores_d64` with the rows' factors applied to the sums. */
+/* ---- 8-bit rows under bf16 compute, on VDPBF16PS ----------------------------------------------------
+ * Why: widening 8-bit codes to fp32 and multiplying in fp32 (`scores_q8`/`values_q8`) costs about 80
+ * vector ops per row and KV head, over twice a bf16 row's, so an 8-bit cache decoded no faster than a
+ * bf16 one although it moves half the bytes. Every int8, e4m3 and e5m2 code is exactly a bf16 value (at
+ * most 8 significant bits; e4m3 as value / 256, as `load16_q8` yields it), so the widened codes pack
+ * into bf16 pairs without rounding and the products run on VDPBF16PS as the bf16 rows' do: scores with
+ * the queries' own bf16 pairs, then the row's factor on its score. For P.V each row is dequantized to
+ * bf16 as the reference does it (code x factor in fp32, one rounding) and the probabilities are rounded
+ * to bf16, so a V row read with probability 1 comes out bit for bit as the reference's. */
+#if defined(__AVX512BF16__)
+/* 64 8-bit codes of one row as bf16 (exact: every int8/e4m3/e5m2 code is a bf16 value; e4m3 as value / 256):
+ * lo = dims 0-31, hi = dims 32-63, pairs in dim order as a bf16 row's. */
+static inline __attribute__((always_inline)) void codes_to_bf16(const char *p, const int code, __m512i *lo,
+                                                                 __m512i *hi) {
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(load16_q8(p, 1, code), load16_q8(p, 0, code));
+    *hi = (__m512i)_mm512_cvtne2ps_pbh(load16_q8(p, 3, code), load16_q8(p, 2, code));
+}
+#endif
+
+/* Scores of rows [i0, i0 + cnt) (cnt <= 16) of KV head h against its G query heads into st[g * n + i], as
+ * `scores_d64` with the rows' factors applied to the sums. `kind` (a compile-time constant) says how a row
+ * meets the queries: SQ_F32 codes widened to fp32 against fp32 queries (qs, 4 vectors a head); SQ_BF16 codes
+ * widened to bf16 pairs on VDPBF16PS against the queries' own bf16 pairs (qp); SQ_I16 int8 codes widened to
+ * int16 on VPDPWSSD against int16 queries (qi, with qscale per head), summed exactly in int32. */
+enum { SQ_F32 = 0, SQ_BF16 = 1, SQ_I16 = 2 };
 static inline __attribute__((always_inline)) void scores_q8(
-    const float *qs, const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h,
-    float *st, const int G, const int code) {
+    const float *qs, const char *qp, const int16_t *qi, const float *qscale, const kvf_kv *K, const int64_t *slots,
+    int64_t i0, int cnt, int64_t n, int64_t h, float *st, const int G, const int code, const int kind) {
     __m512 part[8 * 16], qf[8][4];
+    __m512i qw[8][2];
     float fr[16];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < 4; c++) qf[g][c] = _mm512_loadu_ps(qs + g * 64 + 16 * c);
+    for (int g = 0; g < G; g++) {
+        if (kind == SQ_F32)
+            for (int c = 0; c < 4; c++) qf[g][c] = _mm512_loadu_ps(qs + g * 64 + 16 * c);
+        else if (kind == SQ_BF16)
+            for (int c = 0; c < 2; c++) qw[g][c] = _mm512_loadu_si512(qp + g * 128 + 64 * c);
+        else
+            for (int c = 0; c < 2; c++) qw[g][c] = _mm512_loadu_si512(qi + g * 64 + 32 * c);
+    }
     for (int r = 0; r < 16; r++) {
         if (r >= cnt) {
             fr[r] = 0.f;
@@ -384,13 +422,38 @@ static inline __attribute__((always_inline)) void scores_q8(
         const int64_t slot = slots[i0 + r];
         const char *kp = K->data + slot * K->row_bytes + h * K->head_bytes;
         fr[r] = q8_factor(K, slot, h);
-        __m512 k[4];
-        for (int c = 0; c < 4; c++) k[c] = load16_q8(kp, c, code);
-        for (int g = 0; g < G; g++) part[g * 16 + r] = dot64_lanes(qf[g], k);
+        if (kind == SQ_F32) {
+            __m512 k[4];
+            for (int c = 0; c < 4; c++) k[c] = load16_q8(kp, c, code);
+            for (int g = 0; g < G; g++) part[g * 16 + r] = dot64_lanes(qf[g], k);
+        }
+#if defined(__AVX512BF16__)
+        if (kind == SQ_BF16) {
+            __m512i k0, k1;
+            codes_to_bf16(kp, code, &k0, &k1);
+            for (int g = 0; g < G; g++)
+                part[g * 16 + r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qw[g][0], (__m512bh)k0),
+                                                    (__m512bh)qw[g][1], (__m512bh)k1);
+        }
+#endif
+#if defined(__AVX512VNNI__)
+        if (kind == SQ_I16) { /* exact int32 lane sums: |q| <= 32767, |k| <= 128, 4 products a lane */
+            const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)kp));
+            const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)kp + 1));
+            for (int g = 0; g < G; g++)
+                part[g * 16 + r] = _mm512_castsi512_ps(
+                    _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qw[g][0], k0), qw[g][1], k1));
+        }
+#endif
     }
     const __m512 fv = _mm512_loadu_ps(fr);
     const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
-    for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(st + g * n + i0, m, _mm512_mul_ps(reduce16(part + g * 16), fv));
+    for (int g = 0; g < G; g++) {
+        const __m512 sum = reduce16_as(part + g * 16, kind == SQ_I16);
+        const __m512 f = kind == SQ_I16 ? _mm512_mul_ps(fv, _mm512_set1_ps(qscale[g])) : fv;
+        _mm512_mask_storeu_ps(st + g * n + i0, m,
+                              _mm512_mul_ps(kind == SQ_I16 ? _mm512_cvtepi32_ps(_mm512_castps_si512(sum)) : sum, f));
+    }
 }
 
 /* acc[g] += sum over rows [i0, i0 + cnt) of p[g * n + i] * factor_i * codes_i for KV head h. */
@@ -428,13 +491,6 @@ static inline void probs_to_bf16(const float *p, uint16_t *pb, int64_t n) {
     pb[n] = 0;
 }
 
-/* 64 8-bit codes of one row as bf16 (exact: every int8/e4m3/e5m2 code is a bf16 value; e4m3 as value / 256):
- * lo = dims 0-31, hi = dims 32-63, pairs in dim order as a bf16 row's. */
-static inline __attribute__((always_inline)) void codes_to_bf16(const char *p, const int code, __m512i *lo,
-                                                                 __m512i *hi) {
-    *lo = (__m512i)_mm512_cvtne2ps_pbh(load16_q8(p, 1, code), load16_q8(p, 0, code));
-    *hi = (__m512i)_mm512_cvtne2ps_pbh(load16_q8(p, 3, code), load16_q8(p, 2, code));
-}
 
 /* 64 8-bit codes of one row dequantized as the reference does it: code x the row's factor in fp32, rounded
  * once to bf16 (e4m3's value / 256 times scale x 256 is the same product). */
@@ -489,49 +545,13 @@ static inline __attribute__((always_inline)) void values_d64_bf16(
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_mem + g * 64 + 16 * c, acc[g][c]);
 }
 
-/* ---- 8-bit rows under bf16 compute, on VDPBF16PS ----------------------------------------------------
- * Why: widening 8-bit codes to fp32 and multiplying in fp32 (`scores_q8`/`values_q8`) costs about 80
- * vector ops per row and KV head, over twice a bf16 row's, so an 8-bit cache decoded no faster than a
- * bf16 one although it moves half the bytes. Every int8, e4m3 and e5m2 code is exactly a bf16 value (at
- * most 8 significant bits; e4m3 as value / 256, as `load16_q8` yields it), so the widened codes pack
- * into bf16 pairs without rounding and the products run on VDPBF16PS as the bf16 rows' do: scores with
- * the queries' own bf16 pairs, then the row's factor on its score. For P.V each row is dequantized to
- * bf16 as the reference does it (code x factor in fp32, one rounding) and the probabilities are rounded
- * to bf16, so a V row read with probability 1 comes out bit for bit as the reference's. */
-
-static inline __attribute__((always_inline)) void scores_q8_bf16(
-    const char *qp, const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h,
-    float *st, const int G, const int code) {
-    __m512 part[8 * 16];
-    __m512bh qb[8][2];
-    float fr[16];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < 2; c++) qb[g][c] = (__m512bh)_mm512_loadu_si512(qp + g * 128 + 64 * c);
-    for (int r = 0; r < 16; r++) {
-        if (r >= cnt) {
-            fr[r] = 0.f;
-            for (int g = 0; g < G; g++) part[g * 16 + r] = _mm512_setzero_ps();
-            continue;
-        }
-        const int64_t slot = slots[i0 + r];
-        fr[r] = q8_factor(K, slot, h);
-        __m512i k0, k1;
-        codes_to_bf16(K->data + slot * K->row_bytes + h * K->head_bytes, code, &k0, &k1);
-        for (int g = 0; g < G; g++)
-            part[g * 16 + r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)k0),
-                                                qb[g][1], (__m512bh)k1);
-    }
-    const __m512 fv = _mm512_loadu_ps(fr);
-    const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
-    for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(st + g * n + i0, m, _mm512_mul_ps(reduce16(part + g * 16), fv));
-}
 
 #if defined(__AVX512VNNI__)
 /* int8 K under bf16 compute, on VPDPWSSD: each query head scaled to int16 once per sequence (its largest
  * element to 32767: the added error is at most 1/65536 of that element, far below the bf16 rounding the
  * query already carries), key codes sign-extended to int16, and the products summed exactly in int32;
  * the sum is then scaled back by the query's and the row's factors. Half the instructions of widening the
- * codes to bf16 (`scores_q8_bf16`). */
+ * codes to bf16 (`scores_q8`, SQ_BF16). */
 static void quantize_query_i16(const float *qf, int64_t heads, int16_t *qi, float *qscale) {
     for (int64_t h = 0; h < heads; h++) {
         const float *x = qf + h * 64;
@@ -543,49 +563,6 @@ static void quantize_query_i16(const float *qf, int64_t heads, int16_t *qi, floa
     }
 }
 
-static inline __attribute__((always_inline)) void scores_i8_vnni(
-    const int16_t *qi, const float *qscale, const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n,
-    int64_t h, float *st, const int G) {
-    __m512 part[8 * 16];
-    __m512i qv[8][2];
-    float fr[16];
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < 2; c++) qv[g][c] = _mm512_loadu_si512(qi + g * 64 + 32 * c);
-    for (int r = 0; r < 16; r++) {
-        if (r >= cnt) {
-            fr[r] = 0.f;
-            for (int g = 0; g < G; g++) part[g * 16 + r] = _mm512_setzero_ps();
-            continue;
-        }
-        const int64_t slot = slots[i0 + r];
-        fr[r] = q8_factor(K, slot, h);
-        const char *kp = K->data + slot * K->row_bytes + h * K->head_bytes;
-        const __m512i k0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)kp));
-        const __m512i k1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)kp + 1));
-        for (int g = 0; g < G; g++) /* exact int32 lane sums: |q| <= 32767, |k| <= 128, 4 products a lane */
-            part[g * 16 + r] = _mm512_castsi512_ps(
-                _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qv[g][0], k0), qv[g][1], k1));
-    }
-    /* lane sums to one int32 per row: the same transpose tree as `reduce16`, adding as integers */
-    for (int g = 0; g < G; g++) {
-        const __m512 *v = part + g * 16;
-        __m512i t[8], u[4], w[2];
-        for (int i = 0; i < 8; i++)
-            t[i] = _mm512_add_epi32(_mm512_castps_si512(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1])),
-                                    _mm512_castps_si512(_mm512_unpackhi_ps(v[2 * i], v[2 * i + 1])));
-        for (int i = 0; i < 4; i++)
-            u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
-        for (int i = 0; i < 2; i++)
-            w[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0x88),
-                                    _mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0xDD));
-        const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i32x4(w[0], w[1], 0x88), _mm512_shuffle_i32x4(w[0], w[1], 0xDD));
-        const __m512 fv = _mm512_mul_ps(_mm512_loadu_ps(fr), _mm512_set1_ps(qscale[g]));
-        _mm512_mask_storeu_ps(st + g * n + i0, (__mmask16)((1u << cnt) - 1u), _mm512_mul_ps(_mm512_cvtepi32_ps(sum), fv));
-    }
-}
-#endif
-
-#if defined(__AVX512VNNI__)
 /* int8 V under bf16 compute, on VPDPWSSD: each head's probabilities times its rows' factors scaled to
  * int16 (the largest to 32767; every term's error is at most 1/65536 of the largest, against 1/512 of
  * itself for the bf16 rounding the reference applies, so the sum is at least as close) into pi (stride
@@ -1022,15 +999,25 @@ int kvf_paged_decode(
 #endif
             } else if (zk) {
 #ifdef KVF_HAVE_AVX512
+                /* int8 keys under bf16 compute: VPDPWSSD against the item's queries scaled to int16 once */
+                int i8_k = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+                i8_k = dtype_code == 1 && K->code == KVF_INT8;
+                if (i8_k) quantize_query_i16(qf, NH, qi16, qscale);
+#endif
+                (void)i8_k;
                 prefetch_rows(K->data, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, k_row);
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                     if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(K->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, k_row);
                     for (int64_t j = 0; j < heads_per_item; j++) {
+                        const char *qp = (const char *)q + ((b * H + (kv0 + j) * G) * D) * esz;
+                        const int16_t *qij = qi16 + j * G * 64;
+                        const float *qsj = qscale + j * G;
+                        (void)qp, (void)qij, (void)qsj; /* each build uses the ones its paths take */
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-                        if (dtype_code == 1 && K->code == KVF_INT8) {
-                            if (i0 == 0 && j == 0) quantize_query_i16(qf, NH, qi16, qscale);
-#define KVF_SCORES(GC) scores_i8_vnni(qi16 + j * G * 64, qscale + j * G, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC)
+                        if (i8_k) {
+#define KVF_SCORES(GC) scores_q8(NULL, NULL, qij, qsj, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, KVF_INT8, SQ_I16)
                             KVF_DISPATCH_G(G, KVF_SCORES)
 #undef KVF_SCORES
                             continue;
@@ -1038,14 +1025,13 @@ int kvf_paged_decode(
 #endif
 #if defined(__AVX512BF16__)
                         if (dtype_code == 1) {
-                            const char *qp = (const char *)q + ((b * H + (kv0 + j) * G) * D) * esz;
-#define KVF_SCORES(GC) scores_q8_bf16(qp, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode)
+#define KVF_SCORES(GC) scores_q8(NULL, qp, NULL, NULL, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode, SQ_BF16)
                             KVF_DISPATCH_Q8(K->code, KVF_SCORES)
 #undef KVF_SCORES
                             continue;
                         }
 #endif
-#define KVF_SCORES(GC) scores_q8(qf + j * G * 64, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode)
+#define KVF_SCORES(GC) scores_q8(qf + j * G * 64, NULL, NULL, NULL, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode, SQ_F32)
                         KVF_DISPATCH_Q8(K->code, KVF_SCORES)
 #undef KVF_SCORES
                     }
@@ -1773,6 +1759,17 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
 }
 #endif
 
+/* s[r] = sum over dims [d0, d0 + 32) of the lanes' queries (qg[d][lane]) times key r's element d. */
+static inline __attribute__((always_inline)) void scores_f32_half(const float *qg, const float *const *kd, int d0,
+                                                                   __m512 *s) {
+    for (int r = 0; r < 16; r++) s[r] = _mm512_setzero_ps();
+    for (int d = d0; d < d0 + 32; d++) {
+        const __m512 qv = _mm512_load_ps(qg + d * 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) s[r] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kd[r][d]), s[r]);
+    }
+}
+
 /* fp32 on the lanes layout: the same loop as `prefill_item_bf16` with fp32 FMAs (64 a key for the scores,
  * 16 a dim for P.V), rows read as fp32 where they lie or decoded by `kv_row` as the keys-in-lanes loop
  * decodes them. Scratch: qt and acc_t >= 3 x 64 x 16 floats, kbuf 17 x 64 floats (16 rows and zeros),
@@ -1814,18 +1811,10 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
             if (window > 0 && kb + cnt - 1 <= gmin[grp] - window) continue; /* all before every window */
             const float *qg = qt + grp * 1024;
             /* each score as two 32-term chains added at the end (one 64-term chain lost ~1.5x in accuracy) */
-            __m512 s[16], half[16];
-            for (int h2 = 0; h2 < 2; h2++) {
-                for (int r = 0; r < 16; r++) s[r] = _mm512_setzero_ps();
-                for (int d = 32 * h2; d < 32 * h2 + 32; d++) {
-                    const __m512 qv = _mm512_load_ps(qg + d * 16);
-#pragma GCC unroll 16
-                    for (int r = 0; r < 16; r++) s[r] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kd[r][d]), s[r]);
-                }
-                if (h2 == 0)
-                    for (int r = 0; r < 16; r++) half[r] = s[r];
-            }
-            for (int r = 0; r < 16; r++) s[r] = _mm512_add_ps(s[r], half[r]);
+            __m512 s[16], s_hi[16];
+            scores_f32_half(qg, kd, 0, s);
+            scores_f32_half(qg, kd, 32, s_hi);
+            for (int r = 0; r < 16; r++) s[r] = _mm512_add_ps(s[r], s_hi[r]);
             const __m512 corr = lanes_softmax(s, _mm512_load_si512(pos + grp * 16), kb, window, scale, softcap,
                                               &mrun[grp], &lrun[grp]);
             float *ag = acc_t + grp * 1024;

@@ -111,9 +111,6 @@ static void tile(const uint32_t *x, int64_t ldx, int64_t K2, const uint16_t *w, 
  * included) and stored 16 columns at a time, so the conversion costs no scalar loop. */
 #define GM 8
 #define GP 3
-#ifndef KVF_GEMM_MIN
-#define KVF_GEMM_MIN MR
-#endif
 
 static inline __attribute__((always_inline)) __m256i round_bf16x16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -204,7 +201,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
         const int64_t p0 = P * tid / nth;
         int64_t p1 = P * (tid + 1) / nth;
 #if KVF_SIMD
-        if (M > KVF_GEMM_MIN) {
+        if (M > MR) { /* more rows than a decode tile: GEMM tiles */
             for (int64_t p = p0; p < p1; p += GP) {
                 const int np = (int)(p1 - p < GP ? p1 - p : GP);
                 for (int64_t i = 0; i < M; i += GM) {
