@@ -6,6 +6,10 @@ builds timed call by call under the same load can be compared. Builds `--old-sou
 both on the layer of `quantized_decode.py` (3 KV heads x 64, 9 query heads, token scales), printing
 min and median ms of each and old/new of the minima, and the largest output difference.
 
+Each timed call walks `--layers` caches of that shape in turn, as a decode step walks its layers, so the
+rows come from DRAM as they do in the engine; one cache alone (`--layers 1`) stays in a 32 MiB L3 at
+small sizes and times the kernel's in-cache speed instead. Times are per layer.
+
     git show HEAD~3:kvforge/attention/csrc/paged_decode.c > /tmp/old.c
     OMP_NUM_THREADS=1 python benchmarks/decode_kernel_ab.py --old-source /tmp/old.c --batch 32 --len 512
 """
@@ -32,27 +36,30 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=8, help="caches walked per timed call (out of DRAM, as a step)")
     args = ap.parse_args()
     libs = {"old": NativeLibrary(args.old_source.resolve(), "KVFORGE_CPU_KERNEL", "the old decode kernel",
                                  cpu_kernel._declare), "new": cpu_kernel.LIBRARY}
     for name, lib in libs.items():
         assert lib.load() is not None, f"{name}: {lib.error}"
-    print(f"one layer, {args.batch} sequences x {args.len} tokens, {args.repeats} alternating calls each, "
-          f"{torch.get_num_threads()} threads")
+    print(f"per layer over {args.layers} layers' caches, {args.batch} sequences x {args.len} tokens, "
+          f"{args.repeats} alternating calls each, {torch.get_num_threads()} threads")
     print(f"{'compute':<9} {'KV format':<10} {'old min':>8} {'old med':>8} {'new min':>8} {'new med':>8} "
           f"{'old/new':>8} {'max diff':>9}")
     try:
         for dtype in args.dtype:
             for fmt in args.formats:
-                q, cache, meta = build(fmt, "token", getattr(torch, dtype), args.batch, args.len)
+                layers = [build(fmt, "token", getattr(torch, dtype), args.batch, args.len, seed=i)
+                          for i in range(args.layers)]
                 times: dict[str, list[float]] = {k: [] for k in libs}
                 outs = {}
                 for _ in range(args.repeats + 1):
                     for name, lib in libs.items():
                         cpu_kernel.LIBRARY = lib  # what paged_decode loads at each call
                         start = time.perf_counter()
-                        outs[name] = paged_attention_cpu(q, cache, meta, 0.125)
-                        times[name].append(time.perf_counter() - start)
+                        for q, cache, meta in layers:
+                            outs[name] = paged_attention_cpu(q, cache, meta, 0.125)
+                        times[name].append((time.perf_counter() - start) / len(layers))
                 old, new = (sorted(times[k][1:]) for k in ("old", "new"))  # the first call warms up
                 diff = (outs["old"].float() - outs["new"].float()).abs().max().item()
                 print(f"{dtype:<9} {fmt:<10} {old[0] * 1e3:>8.2f} {statistics.median(old) * 1e3:>8.2f} "

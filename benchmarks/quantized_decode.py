@@ -28,8 +28,8 @@ from kvforge.kv.quantized_cache import QuantizedKVCache
 FORMATS = ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 
 
-def build(fmt: str, gran: str, compute: torch.dtype, batch: int, length: int, bs: int = 16):
-    g = torch.Generator().manual_seed(0)
+def build(fmt: str, gran: str, compute: torch.dtype, batch: int, length: int, bs: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
     nb = length // bs
     cache = QuantizedKVCache(batch * nb + 1, bs, 3, 64, 64, fmt, fmt, gran, compute)
     slots = torch.arange(bs, (batch * nb + 1) * bs)

@@ -229,6 +229,16 @@ static inline __attribute__((always_inline)) void accumulate_row(
 #ifndef KVF_PREFETCH_ROWS
 #define KVF_PREFETCH_ROWS 64
 #endif
+/* The dense AVX-512 path also fetches each V row into L2 while the score pass walks its K row (this
+ * many rows behind the cursor), so the weighted-V pass after the softmax reads from cache: a thread
+ * keeps two streams in flight instead of one, where each pass alone overlaps its compute poorly with
+ * DRAM (the kernel read ~16 GB/s at 2 threads where a plain read of the same scattered rows reaches
+ * ~27). Past L2's size (long contexts) the rows wait in L3. The 8-bit paths, compute-bound, measured
+ * no gain from it. Measured in one process, calls alternating over 8 layers' caches out of DRAM
+ * (`benchmarks/decode_kernel_ab.py`; benchmarks/results/quantized_decode.txt). */
+#ifndef KVF_V_PREFETCH_LAG
+#define KVF_V_PREFETCH_LAG 32
+#endif
 /* Fetch the whole rows [i0, i0 + cnt) (all KV heads) ahead of use into L2 (prefetcht1): measured
  * 20% faster per bf16 layer out of DRAM than into L1, whose few miss buffers the 6-12 lines of each
  * row fill up. Blocks are scattered in the pool, so the hardware prefetchers lose the stream at
@@ -988,6 +998,7 @@ int kvf_paged_decode(
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                     if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows((const char *)k_cache, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, k_row);
+                    if (i0 >= KVF_V_PREFETCH_LAG) prefetch_rows((const char *)v_cache, slots, i0 - KVF_V_PREFETCH_LAG, 16, v_row);
                     for (int64_t j = 0; j < heads_per_item; j++) {
                         const char *qp = (const char *)q + ((b * H + (kv0 + j) * G) * D) * esz;
                         const size_t off = (size_t)(kv0 + j) * D * esz;
