@@ -17,29 +17,35 @@ def _torch_codes(x, fmt, gran, static=None):
     return quant.quantize(x, quant.expand_scale(scale, gran), fmt), scale
 
 
-def _values(g):
-    """Rows mixing ordinary values, tiny ones (fp8 subnormals after scaling), exact ties, zeros."""
-    x = torch.randn(37, 3, 64, generator=g) * torch.logspace(-6, 3, 37)[:, None, None]
-    x[5] = 0.0
-    x[6, :, ::3] *= 1e-4  # far below the row's absmax: subnormal codes
-    x[7] = torch.arange(64, dtype=torch.float32) / 8 - 4  # many exact round-half cases
-    return x
+def _values(g, copies=1):
+    """Rows mixing ordinary values, tiny ones (fp8 subnormals after scaling), exact ties, zeros; `copies`
+    such sets of 37 rows (20 make a prefill chunk's worth, which the kernel splits over its threads)."""
+    parts = []
+    for _ in range(copies):
+        x = torch.randn(37, 3, 64, generator=g) * torch.logspace(-6, 3, 37)[:, None, None]
+        x[5] = 0.0
+        x[6, :, ::3] *= 1e-4  # far below the row's absmax: subnormal codes
+        x[7] = torch.arange(64, dtype=torch.float32) / 8 - 4  # many exact round-half cases
+        parts.append(x)
+    return torch.cat(parts)
 
 
+@pytest.mark.parametrize("copies", [1, 20], ids=["decode-rows", "chunk-rows"])  # 37 rows on one thread, 740 split
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gran", ["token", "head", "tensor"])
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
-def test_codes_and_scales_are_torchs_bitwise(name, gran, dtype):
+def test_codes_and_scales_are_torchs_bitwise(name, gran, dtype, copies):
     fmt = quant.get_format(name)
     g = torch.Generator().manual_seed(0)
-    x = _values(g).to(dtype)
+    x = _values(g, copies).to(dtype)
     if dtype == torch.float16:
         x = x.clamp(-6e4, 6e4)
     static = quant.absmax_scales(x, "tensor", fmt) * 0.5 if gran == "tensor" else None  # half: saturation too
     want, want_scale = _torch_codes(x, fmt, gran, static)
-    slots = torch.randperm(64, generator=g)[: x.shape[0]]
-    codes = torch.zeros(64, 3, 64, dtype=torch.uint8)
-    scales = None if gran == "tensor" else torch.zeros((64,) if gran == "token" else (64, 3))
+    pool = 64 * copies
+    slots = torch.randperm(pool, generator=g)[: x.shape[0]]
+    codes = torch.zeros(pool, 3, 64, dtype=torch.uint8)
+    scales = None if gran == "tensor" else torch.zeros((pool,) if gran == "token" else (pool, 3))
     assert quant_kernel.quantize_rows(x, slots, codes, scales, name, gran, float(static) if static is not None else 1.0)
     assert torch.equal(codes[slots], want)
     if scales is not None:
