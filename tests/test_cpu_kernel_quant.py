@@ -121,6 +121,17 @@ def test_windows_and_softcap(name, gran, window, softcap):
     _check(q * 8, cache, meta, 0.2, window, softcap, tol=2e-5)  # large logits: soft-capping matters
 
 
+@pytest.mark.parametrize("bs,window", [(4, None), (8, 21), (16, 13), (16, None)])
+@pytest.mark.parametrize("name,gran", [("int8", "token"), ("int8", "head"), ("fp8_e4m3", "head"), ("fp8_e5m2", "token")])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_8bit_row_factors_across_blocks(name, gran, compute, bs, window):
+    """The AVX-512 8-bit paths take a tile's 16 row factors in one load (per-token scales) or one gather
+    (per-head) when its rows are consecutive slots, row by row otherwise: blocks smaller than a tile and
+    windows that start mid-block make tiles straddle scattered blocks, and GQA 3 reads each KV head's own."""
+    q, cache, meta = _case(name, name, gran, compute, 9, 3, bs=bs)
+    _check(q, cache, meta, window=window)
+
+
 @pytest.mark.parametrize("d,dv,bs", [(32, 32, 4), (48, 24, 1), (16, 16, 5), (128, 128, 16)])
 def test_other_head_sizes_and_block_sizes(d, dv, bs):
     for name, gran in (("int8", "channel"), ("int4", "token"), ("fp8_e5m2", "head")):

@@ -336,11 +336,11 @@ static inline __attribute__((always_inline)) void scores_d64(
     for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(st + g * n + i0, m, reduce16(part + g * 16));
 }
 
-/* acc[g] += sum over rows [i0, i0 + cnt) of p[g * n + i] * v_i for one KV head, head size 64; the
- * G x 64 accumulators stay in registers across the rows. */
+/* acc[g] += sum over rows [i0, i0 + cnt) of p_gi * v_i for one KV head, head size 64, where p_gi = e[g * n + i] x
+ * inv[g] (the softmax's exponentials and 1 / their sum); the G x 64 accumulators stay in registers across the rows. */
 static inline __attribute__((always_inline)) void values_d64(
-    const float *p, const char *v_cache, const int64_t *slots, int64_t i0, int cnt, int64_t n, size_t v_row,
-    size_t head_off, int code, float *acc_mem, const int G) {
+    const float *e, const float *inv, const char *v_cache, const int64_t *slots, int64_t i0, int cnt, int64_t n,
+    size_t v_row, size_t head_off, int code, float *acc_mem, const int G) {
     __m512 acc[8][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * 64 + 16 * c);
@@ -348,7 +348,7 @@ static inline __attribute__((always_inline)) void values_d64(
         __m512 v[4];
         load64(v_cache + slots[i] * v_row + head_off, code, v);
         for (int g = 0; g < G; g++) {
-            const __m512 w = _mm512_set1_ps(p[g * n + i]);
+            const __m512 w = _mm512_set1_ps(e[g * n + i] * inv[g]);
             for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
         }
     }
@@ -376,6 +376,45 @@ static inline __attribute__((always_inline)) float q8_factor(const kvf_kv *op, i
     const float s = op->gran == KVF_SCALE_TENSOR ? op->scale[0]
                     : op->gran == KVF_SCALE_TOKEN ? op->scale[slot] : op->scale[slot * op->heads + h];
     return op->code == KVF_E4M3 ? s * 256.f : s;
+}
+
+/* The factors of rows [i0, i0 + cnt) (cnt <= 16) of KV head h, as `q8_factor` gives them, in one vector (zero
+ * past cnt). Why: the 8-bit paths called the scalar `q8_factor` (a branch on the granularity, a dependent load)
+ * per row and head, in the score pass and again for the V pass. A tile's rows are usually one block's
+ * consecutive slots, whose per-token scales are consecutive floats (one load) and per-head scales a fixed
+ * stride apart (one gather); tiles that straddle blocks (windows, blocks under 16 tokens) go row by row. */
+static inline __attribute__((always_inline)) __m512 q8_factors16(const kvf_kv *op, const int64_t *slots, int64_t i0,
+                                                                  int cnt, int64_t h) {
+    const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
+    const int64_t s0 = slots[i0];
+    int consecutive = 1;
+    for (int r = 1; r < cnt; r++) consecutive &= slots[i0 + r] == s0 + r;
+    __m512 f;
+    if (op->gran == KVF_SCALE_TENSOR) {
+        f = _mm512_maskz_mov_ps(m, _mm512_set1_ps(op->scale[0]));
+    } else if (consecutive && op->gran == KVF_SCALE_TOKEN) {
+        f = _mm512_maskz_loadu_ps(m, op->scale + s0);
+    } else if (consecutive) { /* KVF_SCALE_HEAD: scale[slot * heads + h] */
+        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32((int)op->heads));
+        f = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, op->scale + s0 * op->heads + h, 4);
+    } else {
+        float fr[16];
+        for (int r = 0; r < 16; r++) {
+            const int64_t slot = slots[i0 + (r < cnt ? r : 0)];
+            fr[r] = op->gran == KVF_SCALE_TOKEN ? op->scale[slot] : op->scale[slot * op->heads + h];
+        }
+        f = _mm512_maskz_loadu_ps(m, fr);
+    }
+    return op->code == KVF_E4M3 ? _mm512_mul_ps(f, _mm512_set1_ps(256.f)) : f;
+}
+
+/* fac[i] = the factor of row i of KV head h, for the n rows of an item (`q8_factors16` a tile at a time). */
+static void q8_factors(const kvf_kv *op, const int64_t *slots, int64_t n, int64_t h, float *fac) {
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
+        _mm512_mask_storeu_ps(fac + i0, (__mmask16)((1u << cnt) - 1u), q8_factors16(op, slots, i0, cnt, h));
+    }
 }
 
 /* True when the AVX-512 8-bit path reads this operand (head size 64 checked by the caller). */
@@ -414,7 +453,7 @@ static inline __attribute__((always_inline)) void scores_q8(
     int64_t i0, int cnt, int64_t n, int64_t h, float *st, const int G, const int code, const int kind) {
     __m512 part[8 * 16], qf[8][4];
     __m512i qw[8][2];
-    float fr[16];
+    const __m512 fv = q8_factors16(K, slots, i0, cnt, h);
     for (int g = 0; g < G; g++) {
         if (kind == SQ_F32)
             for (int c = 0; c < 4; c++) qf[g][c] = _mm512_loadu_ps(qs + g * 64 + 16 * c);
@@ -425,13 +464,10 @@ static inline __attribute__((always_inline)) void scores_q8(
     }
     for (int r = 0; r < 16; r++) {
         if (r >= cnt) {
-            fr[r] = 0.f;
             for (int g = 0; g < G; g++) part[g * 16 + r] = _mm512_setzero_ps();
             continue;
         }
-        const int64_t slot = slots[i0 + r];
-        const char *kp = K->data + slot * K->row_bytes + h * K->head_bytes;
-        fr[r] = q8_factor(K, slot, h);
+        const char *kp = K->data + slots[i0 + r] * K->row_bytes + h * K->head_bytes;
         if (kind == SQ_F32) {
             __m512 k[4];
             for (int c = 0; c < 4; c++) k[c] = load16_q8(kp, c, code);
@@ -456,7 +492,6 @@ static inline __attribute__((always_inline)) void scores_q8(
         }
 #endif
     }
-    const __m512 fv = _mm512_loadu_ps(fr);
     const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
     for (int g = 0; g < G; g++) {
         const __m512 sum = reduce16_as(part + g * 16, kind == SQ_I16);
@@ -466,21 +501,21 @@ static inline __attribute__((always_inline)) void scores_q8(
     }
 }
 
-/* acc[g] += sum over rows [i0, i0 + cnt) of p[g * n + i] * factor_i * codes_i for KV head h. */
+/* acc[g] += sum over rows [i0, i0 + cnt) of p_gi * fac[i] * codes_i for KV head h, p_gi = e[g * n + i] x inv[g]
+ * as in `values_d64`. */
 static inline __attribute__((always_inline)) void values_q8(
-    const float *p, const kvf_kv *V, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h,
-    float *acc_mem, const int G, const int code) {
+    const float *e, const float *inv, const kvf_kv *V, const int64_t *slots, int64_t i0, int cnt, int64_t n,
+    int64_t h, const float *fac, float *acc_mem, const int G, const int code) {
     __m512 acc[8][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * 64 + 16 * c);
     for (int64_t i = i0; i < i0 + cnt; i++) {
-        const int64_t slot = slots[i];
-        const char *vp = V->data + slot * V->row_bytes + h * V->head_bytes;
-        const float f = q8_factor(V, slot, h);
+        const char *vp = V->data + slots[i] * V->row_bytes + h * V->head_bytes;
+        const float f = fac[i];
         __m512 v[4];
         for (int c = 0; c < 4; c++) v[c] = load16_q8(vp, c, code);
         for (int g = 0; g < G; g++) {
-            const __m512 w = _mm512_set1_ps(p[g * n + i] * f);
+            const __m512 w = _mm512_set1_ps(e[g * n + i] * inv[g] * f);
             for (int c = 0; c < 4; c++) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
         }
     }
@@ -489,13 +524,15 @@ static inline __attribute__((always_inline)) void values_q8(
 }
 
 #if defined(__AVX512BF16__)
-/* Probabilities of one head, rounded to bf16 (nearest even) into pb[0 .. n), with pb[n] = 0 so that
+/* Probabilities of one head (the softmax's exponentials e times inv, its 1 / sum: the normalisation the
+ * softmax leaves to this pass), rounded to bf16 (nearest even) into pb[0 .. n), with pb[n] = 0 so that
  * rows pair up: the bf16 V pass multiplies two rows at once. The reference backend rounds its
  * probabilities to the value dtype in the same way before its matmul with V. */
-static inline void probs_to_bf16(const float *p, uint16_t *pb, int64_t n) {
+static inline void probs_to_bf16(const float *e, float inv, uint16_t *pb, int64_t n) {
+    const __m512 iv = _mm512_set1_ps(inv);
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + i));
+        const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, e + i), iv));
         _mm256_mask_storeu_epi16(pb + i, m, (__m256i)h);
     }
     pb[n] = 0;
@@ -516,8 +553,8 @@ static inline __attribute__((always_inline)) void dequant_row_bf16(const char *p
  * unpack order; `unpermute_d64` restores them once per item. pb: bf16 probabilities, stride npad. */
 static inline __attribute__((always_inline)) void values_d64_bf16(
     const uint16_t *pb, const char *v_cache, const int64_t *slots, int64_t i0, int cnt, int64_t npad, size_t v_row,
-    size_t head_off, float *acc_mem, const int G, const kvf_kv *Vq, int64_t h, const int qcode) {
-    /* qcode 0: bf16 rows; else 8-bit rows of that format (operand Vq, KV head h), dequantized to bf16 as the
+    size_t head_off, float *acc_mem, const int G, const float *fac, const int qcode) {
+    /* qcode 0: bf16 rows; else 8-bit rows of that format with factors fac[i], dequantized to bf16 as the
      * reference dequantizes them (`dequant_row_bf16`) */
     __m512 acc[8][4];
     for (int g = 0; g < G; g++)
@@ -527,9 +564,9 @@ static inline __attribute__((always_inline)) void values_d64_bf16(
         const char *v0 = v_cache + slots[i] * v_row + head_off;
         __m512i a0, a1, b0 = _mm512_setzero_si512(), b1 = b0;
         if (qcode) {
-            dequant_row_bf16(v0, q8_factor(Vq, slots[i], h), qcode, &a0, &a1);
+            dequant_row_bf16(v0, fac[i], qcode, &a0, &a1);
             if (r + 1 < cnt)
-                dequant_row_bf16(v_cache + slots[i + 1] * v_row + head_off, q8_factor(Vq, slots[i + 1], h), qcode, &b0, &b1);
+                dequant_row_bf16(v_cache + slots[i + 1] * v_row + head_off, fac[i + 1], qcode, &b0, &b1);
         } else {
             a0 = _mm512_loadu_si512(v0);
             a1 = _mm512_loadu_si512(v0 + 64);
@@ -580,22 +617,26 @@ static void quantize_query_i16(const float *qf, int64_t heads, int16_t *qi, floa
  * exactly in int32: at most 2 x 32767 x 128 a row pair per lane, flushed to fp32 every 256 rows
  * (VNNI_FLUSH_ROWS) before 2^31. */
 #define VNNI_FLUSH_ROWS 256
-static void probs_q8_to_i16(const float *p, const float *fac, int64_t n, int G, int16_t *pi, int64_t npad,
-                            float *vscale) {
+static void probs_q8_to_i16(const float *e, const float *inv, const float *fac, int64_t n, int G, int16_t *pi,
+                            int64_t npad, float *vscale) {
+    /* e: the softmax's exponentials, inv[g]: 1 / their sum (p = e x inv: the normalisation is done here) */
     for (int g = 0; g < G; g++) {
-        const float *pg = p + g * n;
+        const float *pg = e + g * n;
+        const __m512 iv = _mm512_set1_ps(inv[g]);
         __m512 mx = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), _mm512_maskz_loadu_ps(m, fac + i))));
+            const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), iv);
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_mul_ps(p, _mm512_maskz_loadu_ps(m, fac + i))));
         }
         const float amax = _mm512_reduce_max_ps(mx);
         vscale[g] = amax > 0.f ? amax / 32767.f : 0.f;
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+        const __m512 step = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
         int16_t *out = pi + g * npad;
         for (int64_t i = 0; i < n; i += 16) {
             const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-            const __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), _mm512_maskz_loadu_ps(m, fac + i)), inv);
+            const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, pg + i), iv);
+            const __m512 x = _mm512_mul_ps(_mm512_mul_ps(p, _mm512_maskz_loadu_ps(m, fac + i)), step);
             _mm256_mask_storeu_epi16(out + i, m, _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(x))); /* nearest even */
         }
         out[n] = 0;
@@ -945,12 +986,13 @@ int kvf_paged_decode(
         uint16_t *pb16 = malloc(sizeof(uint16_t) * heads_per_item * G * (n_max + 2));
         /* the AVX2 path's decoded rows (16 per head of the item) and their owed factors */
         float *vbuf = malloc(sizeof(float) * heads_per_item * 16 * 64), *vf = malloc(sizeof(float) * heads_per_item * 16);
-        float *fac = malloc(sizeof(float) * n_max); /* 8-bit V under bf16: each row's factor */
+        float *fac = malloc(sizeof(float) * heads_per_item * n_max); /* 8-bit V: each row's factor, per KV head */
         int16_t *qi16 = malloc(sizeof(int16_t) * heads_per_item * G * 64); /* int8 K under bf16: int16 queries */
         float *qscale = malloc(sizeof(float) * heads_per_item * G);
         float *vscale = malloc(sizeof(float) * heads_per_item * G); /* int8 V under bf16: int16 probability steps */
         int32_t *acci = malloc(sizeof(int32_t) * heads_per_item * G * 64);
-        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qscale && vscale && acci;
+        float *pinv = malloc(sizeof(float) * heads_per_item * G); /* 1 / each head's softmax sum */
+        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qscale && vscale && acci && pinv;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1084,29 +1126,40 @@ int kvf_paged_decode(
 #ifdef KVF_HAVE_AVX2
             if (fast_v) prefetch_rows((const char *)v_cache, slots, 0, n < KVF_AVX2_PREFETCH_ROWS ? n : KVF_AVX2_PREFETCH_ROWS, v_row);
 #endif
-            /* Softmax per head in fp32 (vectorised exp); scale and soft-cap applied here. */
+            /* Softmax per head in fp32 (vectorised exp); scale and soft-cap applied here, in the pass that
+             * finds the maximum. The AVX-512 V passes read each probability once (to round it, or to
+             * broadcast it), so they multiply by 1 / sum there: the same product, one pass over the scores
+             * fewer. The other paths get normalised probabilities here. */
+            const int fold_norm = fast || zv;
             for (int64_t h = 0; h < NH; h++) {
                 float *sg = scores + h * n;
+                float m = -INFINITY;
                 if (softcap > 0.f) {
                     const float inv_cap = scale / softcap;
-#pragma omp simd
-                    for (int64_t i = 0; i < n; i++) sg[i] = tanhf(sg[i] * inv_cap) * softcap;
-                } else {
-#pragma omp simd
-                    for (int64_t i = 0; i < n; i++) sg[i] *= scale;
-                }
-                float m = sg[0];
 #pragma omp simd reduction(max : m)
-                for (int64_t i = 0; i < n; i++) m = sg[i] > m ? sg[i] : m;
+                    for (int64_t i = 0; i < n; i++) {
+                        sg[i] = tanhf(sg[i] * inv_cap) * softcap;
+                        m = sg[i] > m ? sg[i] : m;
+                    }
+                } else {
+#pragma omp simd reduction(max : m)
+                    for (int64_t i = 0; i < n; i++) {
+                        sg[i] *= scale;
+                        m = sg[i] > m ? sg[i] : m;
+                    }
+                }
                 float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t i = 0; i < n; i++) {
                     sg[i] = expf(sg[i] - m);
                     sum += sg[i];
                 }
-                const float inv = 1.f / sum;
+                pinv[h] = 1.f / sum;
+                if (!fold_norm) {
+                    const float inv = pinv[h];
 #pragma omp simd
-                for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+                    for (int64_t i = 0; i < n; i++) sg[i] *= inv;
+                }
             }
             if (fast) {
 #ifdef KVF_HAVE_AVX512
@@ -1115,7 +1168,7 @@ int kvf_paged_decode(
                 const int bf16_pairs = dtype_code == 1;
                 const int64_t npad = n + 2 - (n & 1); /* even, with room for the zero after row n - 1 */
                 if (bf16_pairs)
-                    for (int64_t h = 0; h < NH; h++) probs_to_bf16(scores + h * n, pb16 + h * npad, n);
+                    for (int64_t h = 0; h < NH; h++) probs_to_bf16(scores + h * n, pinv[h], pb16 + h * npad, n);
 #endif
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
@@ -1124,13 +1177,13 @@ int kvf_paged_decode(
                         const size_t off = (size_t)(kv0 + j) * DV * esz;
 #if defined(__AVX512BF16__)
                         if (bf16_pairs) {
-#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, npad, v_row, off, acc + (j * G) * DV, GC, NULL, 0, 0)
+#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, npad, v_row, off, acc + (j * G) * DV, GC, NULL, 0)
                             KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
                             continue;
                         }
 #endif
-#define KVF_VALUES(GC) values_d64(scores + (j * G) * n, (const char *)v_cache, slots, i0, cnt, n, v_row, off, dtype_code, acc + (j * G) * DV, GC)
+#define KVF_VALUES(GC) values_d64(scores + (j * G) * n, pinv + j * G, (const char *)v_cache, slots, i0, cnt, n, v_row, off, dtype_code, acc + (j * G) * DV, GC)
                         KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
                     }
@@ -1144,14 +1197,14 @@ int kvf_paged_decode(
 #ifdef KVF_HAVE_AVX512
                 memset(acc, 0, sizeof(float) * NH * DV);
                 prefetch_rows(V->data, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, v_row);
+                for (int64_t j = 0; j < heads_per_item; j++) q8_factors(V, slots, n, kv0 + j, fac + j * n);
 #if defined(__AVX512BF16__)
 #if defined(__AVX512VNNI__)
                 if (dtype_code == 1 && V->code == KVF_INT8) {
                     const int64_t npad = n + 2 - (n & 1);
                     int16_t *pi = (int16_t *)pb16;
                     for (int64_t j = 0; j < heads_per_item; j++) {
-                        for (int64_t i = 0; i < n; i++) fac[i] = q8_factor(V, slots[i], kv0 + j);
-                        probs_q8_to_i16(scores + (j * G) * n, fac, n, (int)G, pi + (j * G) * npad, npad, vscale + j * G);
+                        probs_q8_to_i16(scores + (j * G) * n, pinv + j * G, fac + j * n, n, (int)G, pi + (j * G) * npad, npad, vscale + j * G);
                     }
                     memset(acci, 0, sizeof(int32_t) * NH * DV);
                     for (int64_t i0 = 0; i0 < n; i0 += 16) {
@@ -1169,12 +1222,12 @@ int kvf_paged_decode(
 #endif
                 if (dtype_code == 1) {
                     const int64_t npad = n + 2 - (n & 1);
-                    for (int64_t h = 0; h < NH; h++) probs_to_bf16(scores + h * n, pb16 + h * npad, n);
+                    for (int64_t h = 0; h < NH; h++) probs_to_bf16(scores + h * n, pinv[h], pb16 + h * npad, n);
                     for (int64_t i0 = 0; i0 < n; i0 += 16) {
                         const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                         if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
                         for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, V->data, slots, i0, cnt, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, V, kv0 + j, zcode)
+#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, V->data, slots, i0, cnt, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, fac + j * n, zcode)
                             KVF_DISPATCH_Q8(V->code, KVF_VALUES)
 #undef KVF_VALUES
                         }
@@ -1186,7 +1239,7 @@ int kvf_paged_decode(
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                     if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
                     for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC) values_q8(scores + (j * G) * n, V, slots, i0, cnt, n, kv0 + j, acc + (j * G) * DV, GC, zcode)
+#define KVF_VALUES(GC) values_q8(scores + (j * G) * n, pinv + j * G, V, slots, i0, cnt, n, kv0 + j, fac + j * n, acc + (j * G) * DV, GC, zcode)
                         KVF_DISPATCH_Q8(V->code, KVF_VALUES)
 #undef KVF_VALUES
                     }
@@ -1239,6 +1292,7 @@ int kvf_paged_decode(
         free(qscale);
         free(vscale);
         free(acci);
+        free(pinv);
 #ifdef KVF_HAVE_MXCSR
         _mm_setcsr(saved_csr);
 #endif
