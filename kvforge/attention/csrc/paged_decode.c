@@ -388,25 +388,23 @@ static inline __attribute__((always_inline)) __m512 q8_factors16(const kvf_kv *o
     const __mmask16 m = (__mmask16)((1u << cnt) - 1u);
     const int64_t s0 = slots[i0];
     int consecutive = 1;
-    for (int r = 1; r < cnt; r++) consecutive &= slots[i0 + r] == s0 + r;
+    for (int r = 1; r < cnt && consecutive; r++) consecutive = slots[i0 + r] == s0 + r;
+    if (!consecutive && op->gran != KVF_SCALE_TENSOR) { /* a tile across blocks: `q8_factor` row by row */
+        float fr[16];
+        for (int r = 0; r < cnt; r++) fr[r] = q8_factor(op, slots[i0 + r], h);
+        return _mm512_maskz_loadu_ps(m, fr);
+    }
     __m512 f;
     if (op->gran == KVF_SCALE_TENSOR) {
         f = _mm512_maskz_mov_ps(m, _mm512_set1_ps(op->scale[0]));
-    } else if (consecutive && op->gran == KVF_SCALE_TOKEN) {
+    } else if (op->gran == KVF_SCALE_TOKEN) {
         f = _mm512_maskz_loadu_ps(m, op->scale + s0);
-    } else if (consecutive) { /* KVF_SCALE_HEAD: scale[slot * heads + h] */
+    } else { /* KVF_SCALE_HEAD: scale[slot * heads + h] */
         const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32((int)op->heads));
         f = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, op->scale + s0 * op->heads + h, 4);
-    } else {
-        float fr[16];
-        for (int r = 0; r < 16; r++) {
-            const int64_t slot = slots[i0 + (r < cnt ? r : 0)];
-            fr[r] = op->gran == KVF_SCALE_TOKEN ? op->scale[slot] : op->scale[slot * op->heads + h];
-        }
-        f = _mm512_maskz_loadu_ps(m, fr);
     }
-    return op->code == KVF_E4M3 ? _mm512_mul_ps(f, _mm512_set1_ps(256.f)) : f;
+    return op->code == KVF_E4M3 ? _mm512_mul_ps(f, _mm512_set1_ps(256.f)) : f; /* as `q8_factor` */
 }
 
 /* fac[i] = the factor of row i of KV head h, for the n rows of an item (`q8_factors16` a tile at a time). */
