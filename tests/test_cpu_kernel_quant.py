@@ -132,6 +132,32 @@ def test_8bit_row_factors_across_blocks(name, gran, compute, bs, window):
     _check(q, cache, meta, window=window)
 
 
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_code_through_the_bf16_value_pass(name, group):
+    """Under bf16 compute, fp8 rows are read by table lookup (VPERMI2B, where the CPU has AVX512-VBMI) with
+    each row's factor riding on its probability. A context of one token attends with probability 1, so
+    with scale 1 the output is the V row itself: every code (normals, subnormals, both signs, zero) must
+    come out exactly as the reference decodes it, which checks each table entry and the lane order."""
+    fmt = quant.get_format(name)
+    codes = torch.arange(256, dtype=torch.uint8)
+    nan = (codes & 0x7F) == 0x7F if name == "fp8_e4m3" else (codes & 0x7F) > 0x7C
+    codes[nan] = 0  # NaN codes: the quantizer saturates (e4m3 at +-448, e5m2 at +-57344)
+    rows = codes.view(4, 64)
+    cache = QuantizedKVCache(5, 16, 1, 64, 64, name, name, "token", torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    tables = torch.tensor([[1], [3], [2], [4]])  # one token per sequence, each in a block of its own
+    cache.write(tables[:, 0] * 16, torch.randn(4, 1, 64, generator=gen), torch.randn(4, 1, 64, generator=gen))
+    cache.v_store.data[tables[:, 0], 0, 0] = rows
+    cache.v_store.scale[tables[:, 0], 0] = 1.0
+    q = torch.randn(4, group, 64, generator=gen).to(torch.bfloat16)
+    meta = AttentionMetadata(torch.zeros(4, dtype=torch.long), 4, tables, torch.ones(4, dtype=torch.long))
+    assert reads_in_place(q, cache)
+    out = paged_attention_cpu(q, cache, meta, 0.125, None, None)
+    want = quant.dequantize(rows, 1.0, fmt, torch.bfloat16)
+    torch.testing.assert_close(out.float(), want[:, None].expand(4, group, 64).float(), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("d,dv,bs", [(32, 32, 4), (48, 24, 1), (16, 16, 5), (128, 128, 16)])
 def test_other_head_sizes_and_block_sizes(d, dv, bs):
     for name, gran in (("int8", "channel"), ("int4", "token"), ("fp8_e5m2", "head")):
@@ -195,10 +221,11 @@ def _run_built_with(flags: str, tmp_path, code: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_AVX512, reason="needs an AVX-512 CPU to build the AVX-512 8-bit paths")
-@pytest.mark.parametrize("flags", ["-mno-avx512vnni", "-mno-avx512bf16"])
+@pytest.mark.parametrize("flags", ["-mno-avx512vnni -mno-avx512vbmi", "-mno-avx512bf16"])
 def test_8bit_paths_under_bf16_without_vnni_or_bf16_instructions(tmp_path, flags):
-    """Under bf16 compute, int8 K takes VPDPWSSD (int16 queries, exact int32 sums), fp8 K and every 8-bit V
-    take VDPBF16PS on codes widened to bf16; built without VNNI, int8 K widens too, and without
+    """Under bf16 compute, int8 K and V take VPDPWSSD (int16 queries and probabilities, exact int32 sums),
+    fp8 K and V take VDPBF16PS on codes looked up as bf16 by VPERMI2B (AVX512-VBMI). Built without VNNI
+    and VBMI, int8 K and every 8-bit V widen codes through fp32 to bf16 for VDPBF16PS instead, and without
     AVX512-BF16 everything takes the fp32 8-bit path. Each build matches the reference."""
     code = (
         "import torch, sys\n"
