@@ -629,13 +629,15 @@ static inline __attribute__((always_inline)) void values_d64_bf16(
     __m512 acc[8][4];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * 64 + 16 * c);
+#if defined(KVF_HAVE_FP8_LUT)
+    const fp8_tables t = fp8_tables_of(lut ? qcode : KVF_E4M3);
+#endif
     for (int r = 0; r < cnt; r += 2) {
         const int64_t i = i0 + r;
         const char *v0 = v_cache + slots[i] * v_row + head_off;
         __m512i a0, a1, b0 = _mm512_setzero_si512(), b1 = b0;
 #if defined(KVF_HAVE_FP8_LUT)
         if (lut) {
-            const fp8_tables t = fp8_tables_of(qcode);
             fp8_row_words(v0, &t, &a0, &a1);
             if (r + 1 < cnt) fp8_row_words(v_cache + slots[i + 1] * v_row + head_off, &t, &b0, &b1);
         } else
