@@ -15,6 +15,7 @@ bytes / time, the decode bound being the machine's read bandwidth.
     python benchmarks/linear_kernels.py
     python benchmarks/linear_kernels.py --panel --threads 1 2 [--save FILE]   # results/linear_kernels.txt, 2nd table
     python benchmarks/linear_kernels.py --panel --dtype bfloat16   # the bf16 panel kernel vs oneDNN bf16
+    python benchmarks/linear_kernels.py --bf16-gemm --threads 2    # its GEMM tiles: vdpbf16ps vs fp32 FMAs
 
 `--decode` measures what it buys end to end: the default model (fp32, one
 stream, 128-token prompt) loaded twice, with KVFORGE_LINEAR=onednn and =panel,
@@ -124,6 +125,46 @@ def panel_vs_onednn(threads: list[int], dtype: torch.dtype = torch.float32) -> N
         print(f"  {t} thread(s): " + "; ".join(f"{name} {losses.get((t, name)) or 'none'}" for name in SHAPES))
 
 
+def bf16_gemm_tiles(threads: list[int]) -> None:
+    """The bf16 panel kernel's two GEMM tiles (vdpbf16ps vs bf16 widened to fp32 FMAs) on the model's
+    shapes at 8-1024 rows, interleaved, with the tile this CPU's load-time measurement picks."""
+    from kvforge.models import panel_linear as pl
+
+    lib = pl.LIBRARY_BF16.load()
+    if lib is None or not lib.kvf_panel_bf16_simd():
+        raise SystemExit("the bf16 panel kernel's AVX512-BF16 path is not built here: no GEMM tiles to compare")
+    auto = pl.bf16_gemm_mode()
+    print(f"bf16 GEMM tiles; this CPU's measured choice (KVFORGE_BF16_GEMM=auto): {auto}")
+    torch.manual_seed(0)
+    for t in threads:
+        torch.set_num_threads(t)
+        print(f"\n{t} thread(s): per call us (GFLOP/s); speed-up = dot / fma")
+        print(f"{'shape':<9} {'M':>5} {'dot (vdpbf16ps)':>19} {'fma (fp32)':>19} {'speed-up':>9} {'max rel diff':>13}")
+        for name, (n, k) in SHAPES.items():
+            dense = [torch.randn(n, k).bfloat16() for _ in range(1 if name == "lm_head" else 4)]
+            panels = [pl.pack_panels(w) for w in dense]
+            for m in (8, 32, 64, 256, 1024):
+                x = torch.randn(m, k).bfloat16()
+                outs = {}
+                for mode in ("dot", "fma"):
+                    lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[mode])
+                    outs[mode] = pl.panel_linear(x, panels[0]).float()
+                # both round one fp32 sum to bf16; the sums differ in order: relative to the largest output
+                diff = ((outs["dot"] - outs["fma"]).abs().max() / outs["dot"].abs().max()).item()
+
+                def run(mode: str):
+                    def call(i: int) -> None:
+                        lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[mode])
+                        pl.panel_linear(x, panels[i])
+                    return call
+
+                us = best_us({"dot": run("dot"), "fma": run("fma")}, len(dense), rounds=3 if m <= 64 else 2)
+                flop = 2 * m * n * k / 1e3  # / us -> GFLOP/s
+                cells = " ".join(f"{us[c]:>9.1f} ({flop / us[c]:>6.1f})" for c in ("dot", "fma"))
+                print(f"{name:<9} {m:>5} {cells} {us['dot'] / us['fma']:>8.2f}x {diff:>13.1e}", flush=True)
+    lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[auto])
+
+
 def decode_onednn_vs_panel(threads: list[int], tokens: int = 64, rounds: int = 3) -> None:
     from decode_profile import decode_steps  # benchmarks/ is on sys.path when run as a script
 
@@ -156,6 +197,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="--panel: weight dtype (bfloat16: the AVX512-BF16 decode kernel, 1-16 rows)")
+    parser.add_argument("--bf16-gemm", action="store_true",
+                        help="the bf16 panel kernel's GEMM tiles: vdpbf16ps vs fp32 FMAs (KVFORGE_BF16_GEMM)")
     parser.add_argument("--save", type=Path, help="also write the output to this file")
     args = parser.parse_args()
     if not ONEDNN_LINEAR:
@@ -168,7 +211,9 @@ def main() -> None:
             return out.write(s)
 
     with redirect_stdout(Tee()):
-        if args.decode:
+        if args.bf16_gemm:
+            bf16_gemm_tiles(args.threads)
+        elif args.decode:
             decode_onednn_vs_panel(args.threads)
         elif args.panel:
             panel_vs_onednn(args.threads, getattr(torch, args.dtype))

@@ -128,8 +128,21 @@ bf16_kernel = pytest.mark.skipif(not pl.available(torch.bfloat16),
                                  reason=f"no bf16 panel kernel: {pl.unavailable_reason(torch.bfloat16)}")
 
 
+@pytest.fixture(params=["dot", "fma"])
+def bf16_gemm(request):
+    """Each bf16 GEMM tile in turn (`KVFORGE_BF16_GEMM`), whatever this CPU's measured choice is."""
+    lib = pl.LIBRARY_BF16.load()
+    if lib is None or not lib.kvf_panel_bf16_simd():
+        pytest.skip("the bf16 kernel's GEMM tiles need AVX512-BF16")
+    before = lib.kvf_panel_bf16_gemm_mode()
+    lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[request.param])
+    assert pl.bf16_gemm_mode() == request.param
+    yield request.param
+    lib.kvf_panel_bf16_set_gemm_mode(before)
+
+
 @bf16_kernel
-def test_bf16_kernel_matches_f_linear_for_odd_shapes():
+def test_bf16_kernel_matches_f_linear_for_odd_shapes(bf16_gemm):
     torch.manual_seed(5)
     # 1-4 rows: the decode tiles; 5 up: GEMM tiles of 8 rows x 3 panels, with every remainder of rows
     # (m % 8) and of panels (ceil(n / 16) % 3) in turn
@@ -141,6 +154,28 @@ def test_bf16_kernel_matches_f_linear_for_odd_shapes():
         _check_bf16(m, 200, 1537, bias=False, threads=1)
     _check_bf16(1, 40, 576, bias=False, threads=64)  # more threads than panels
     _check_bf16(9, 40, 576, bias=True, threads=64)
+
+
+@bf16_kernel
+def test_bf16_gemm_tiles_agree_within_one_rounding(bf16_gemm):
+    """Both GEMM tiles take exact products and fp32 sums (in different orders): against the fp64 truth each
+    is within half a bf16 step plus the fp32 sum's error, on the model's shapes and 5-64 rows. A tile that
+    dropped or swapped the odd k of a pair, or a row of the widened x, is off by whole units."""
+    torch.manual_seed(9)
+    for m, (n, k) in zip((5, 8, 13, 32, 64), ((960, 576), (576, 1536), (3072, 576), (200, 131), (47, 64))):
+        x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+        out = pl.panel_linear(x, pl.pack_panels(w), num_threads=2).double()
+        ref = x.double() @ w.double().T
+        ulp = torch.ldexp(torch.ones_like(ref), torch.frexp(ref)[1] - 8)  # one bf16 step at |ref|
+        slack = (x.double().abs() @ w.double().abs().T) * k * 2.0 ** -24  # fp32 summation error bound
+        assert ((out - ref).abs() <= 0.5 * ulp + slack).all(), (bf16_gemm, m, n, k)
+
+
+def test_bf16_gemm_switch_rejects_unknown_values(tmp_path):
+    env = dict(os.environ, KVFORGE_BF16_GEMM="fast", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", "from kvforge.models import panel_linear as pl; pl.available(__import__('torch').bfloat16); print(pl.unavailable_reason(__import__('torch').bfloat16))"],
+                          env=env, capture_output=True, text=True)
+    assert "KVFORGE_BF16_GEMM" in proc.stdout + proc.stderr
 
 
 @bf16_kernel
@@ -277,3 +312,16 @@ def test_both_keeps_onednn_alone_where_a_panel_kernel_has_no_simd_path(monkeypat
     layer = linear.Linear(24, 40)
     assert layer.pack(backend="both")
     assert layer.panel_weight is None and layer.onednn_weight is not None
+
+
+@bf16_kernel
+def test_ledger_names_the_bf16_gemm_tile_in_use(monkeypatch, bf16_gemm):
+    from torch import nn
+
+    from kvforge.engine.startup_report import _describe_linear
+    from kvforge.models import linear
+
+    monkeypatch.setenv("KVFORGE_LINEAR", "panel")
+    model = nn.ModuleList([linear.Linear(64, 48).to(torch.bfloat16)])
+    assert linear.pack_linear_weights(model) == 1
+    assert f"KVFORGE_BF16_GEMM={bf16_gemm}" in _describe_linear(model)

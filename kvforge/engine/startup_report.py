@@ -12,6 +12,7 @@ import torch
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
 from kvforge.models.linear import PANEL_DECODE_ROWS
+from kvforge.models.panel_linear import bf16_gemm_mode
 from kvforge.engine.args import EngineConfig
 from kvforge.ledger import (
     QUANTIZED_DTYPES,
@@ -185,4 +186,8 @@ def _describe_linear(model: torch.nn.Module) -> str:
         kind = "kvforge panel kernel (KVFORGE_LINEAR)"
     else:
         kind = f"{len(panel)} for the kvforge panel kernel, the rest oneDNN" if panel else "oneDNN"
+    if any(m.panel_weight.dtype == torch.bfloat16 for m in panel):
+        mode = bf16_gemm_mode()
+        if mode is not None:  # which bf16 GEMM tile this CPU's measured instruction rates chose
+            kind += f"; bf16 GEMM rows on {'vdpbf16ps' if mode == 'dot' else 'fp32 FMAs'} (KVFORGE_BF16_GEMM={mode})"
     return f"{kind}, {len(packed)} weights packed at load{note}"

@@ -21,6 +21,7 @@ kernels at every row count but the largest lm_head calls (within 5%).
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,12 @@ LIBRARY = NativeLibrary(
 )
 
 
+# KVFORGE_BF16_GEMM: which tile the bf16 GEMM rows (more than 4 rows) run: `dot` (AVX512-BF16's
+# vdpbf16ps), `fma` (bf16 widened to fp32 FMAs), `auto` (the default: whichever this CPU's instruction
+# rates favour, measured once at load in ~1 ms; see `gemm_mode`).
+BF16_GEMM_MODES = {"auto": -1, "dot": 0, "fma": 1}
+
+
 def _declare_bf16(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_linear_bf16.restype = None
     lib.kvf_panel_linear_bf16.argtypes = [_P, _I, _I, _P, _I, _P, _P, _C]
@@ -52,6 +59,14 @@ def _declare_bf16(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_bf16_nr.argtypes = []
     lib.kvf_panel_bf16_simd.restype = _C
     lib.kvf_panel_bf16_simd.argtypes = []
+    lib.kvf_panel_bf16_gemm_mode.restype = _C
+    lib.kvf_panel_bf16_gemm_mode.argtypes = []
+    lib.kvf_panel_bf16_set_gemm_mode.restype = None
+    lib.kvf_panel_bf16_set_gemm_mode.argtypes = [_C]
+    choice = os.environ.get("KVFORGE_BF16_GEMM", "auto")
+    if choice not in BF16_GEMM_MODES:
+        raise ValueError(f"KVFORGE_BF16_GEMM must be one of {', '.join(BF16_GEMM_MODES)}, got {choice!r}")
+    lib.kvf_panel_bf16_set_gemm_mode(BF16_GEMM_MODES[choice])
 
 
 LIBRARY_BF16 = NativeLibrary(
@@ -79,6 +94,20 @@ def simd(dtype: torch.dtype = torch.float32) -> bool:
     if lib is None:
         return False
     return bool(lib.kvf_panel_simd() if dtype == torch.float32 else lib.kvf_panel_bf16_simd())
+
+
+def bf16_gemm_mode() -> str | None:
+    """The bf16 GEMM tile in use, "dot" or "fma" (None without the bf16 kernel's SIMD path).
+
+    Why both: AVX512-BF16's `vdpbf16ps` does 32 products an instruction, at one a cycle on Zen 4 (twice
+    its fp32 FMA rate) but at about one every two cycles on the Intel Xeons measured here, which issue two
+    16-wide fp32 FMAs a cycle: there bf16 GEMMs run 1.3-1.9x faster widened to fp32
+    (`benchmarks/linear_kernels.py --bf16-gemm`). Same exact products,
+    fp32 sums in another order."""
+    lib = LIBRARY_BF16.load()
+    if lib is None or not lib.kvf_panel_bf16_simd():
+        return None
+    return "fma" if lib.kvf_panel_bf16_gemm_mode() == 1 else "dot"
 
 
 def unavailable_reason(dtype: torch.dtype = torch.float32) -> str | None:

@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -111,6 +112,11 @@ static void tile(const uint32_t *x, int64_t ldx, int64_t K2, const uint16_t *w, 
  * included) and stored 16 columns at a time, so the conversion costs no scalar loop. */
 #define GM 8
 #define GP 3
+/* Row tiles prefetch the next panel group into L2 while they multiply this one (as linear_f32.c does):
+ * a batch's decode step then overlaps its weight reads with its arithmetic. */
+#ifndef KVF_GEMM_PREFETCH
+#define KVF_GEMM_PREFETCH 1
+#endif
 
 static inline __attribute__((always_inline)) __m256i round_bf16x16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
@@ -122,26 +128,26 @@ static inline __attribute__((always_inline)) __m256i round_bf16x16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, int64_t ldx, int64_t K2,
-                                                            const uint16_t *w, int64_t pstride, int mr, int np,
-                                                            uint16_t *y, int64_t N, int64_t n0,
-                                                            const uint16_t *bias) {
-    __m512 acc[GM][GP];
+static inline __attribute__((always_inline)) void zero_tile(__m512 acc[GM][GP]) {
 #pragma GCC unroll 8
     for (int r = 0; r < GM; r++)
 #pragma GCC unroll 3
         for (int p = 0; p < GP; p++) acc[r][p] = _mm512_setzero_ps();
-    for (int64_t kp = 0; kp < K2; kp++) {
-        __m512bh wv[GP];
-#pragma GCC unroll 3
-        for (int p = 0; p < np; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + kp * 2 * NR);
-#pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + kp]);
-#pragma GCC unroll 3
-            for (int p = 0; p < np; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, wv[p]);
-        }
-    }
+}
+
+/* Step k of a tile's share of the next panel group's lines (`npf` of them from `pf`, `per_k` a step). */
+static inline __attribute__((always_inline)) void prefetch_share(const char *pf, int64_t npf, int64_t per_k,
+                                                                 int64_t k) {
+#if KVF_GEMM_PREFETCH
+    for (int64_t j = k * per_k; j < (k + 1) * per_k && j < npf; j++) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
+#else
+    (void)pf, (void)npf, (void)per_k, (void)k;
+#endif
+}
+
+/* A tile's accumulators (+ bias) rounded to bf16 and stored, 16 columns at a time (the first N - n0). */
+static inline __attribute__((always_inline)) void store_tile(__m512 acc[GM][GP], int mr, int np, uint16_t *y,
+                                                             int64_t N, int64_t n0, const uint16_t *bias) {
 #pragma GCC unroll 3
     for (int p = 0; p < np; p++) {
         const int64_t c0 = n0 + p * NR, nv = N - c0 < NR ? N - c0 : NR;
@@ -159,11 +165,133 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, i
     }
 }
 
+static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, int64_t ldx, int64_t K2,
+                                                            const uint16_t *w, int64_t pstride, int mr, int np,
+                                                            uint16_t *y, int64_t N, int64_t n0,
+                                                            const uint16_t *bias, const char *pf, int64_t npf) {
+    __m512 acc[GM][GP];
+    zero_tile(acc);
+    const int64_t per_k = (npf + K2 - 1) / K2; /* prefetched lines of the next panel group per k-pair */
+    for (int64_t kp = 0; kp < K2; kp++) {
+        prefetch_share(pf, npf, per_k, kp);
+        __m512bh wv[GP];
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + kp * 2 * NR);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + kp]);
+#pragma GCC unroll 3
+            for (int p = 0; p < np; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, wv[p]);
+        }
+    }
+    store_tile(acc, mr, np, y, N, n0, bias);
+}
+
+/* The same tile on fp32 FMAs. Why: AVX512-BF16's `vdpbf16ps` is not the fastest way to multiply bf16 on
+ * every CPU that has it. Zen 4 retires one a cycle (32 products, twice its fp32 FMA rate), but the Intel
+ * Xeons measured here retire one every ~2 cycles while issuing two fp32 FMAs a cycle: there a bf16 GEMM
+ * runs ~1.7x faster widened to fp32. A weight line (k-pair kp of 16 columns) splits into its even-k and
+ * odd-k halves by one shift and one AND (a bf16 is the top half of its fp32), and x comes in widened
+ * once per call (`xf`, [M][2 x K2] floats), so each weight register serves GM rows and each broadcast
+ * GP panels as above: 6 integer ops per 48 FMAs. Every product is exact in fp32 (8-bit mantissas), as in
+ * vdpbf16ps; only the order of the fp32 additions differs (even k then odd k, per accumulator). */
+static inline __attribute__((always_inline)) void gemm_tile_fma(const float *xf, int64_t ldx, int64_t K2,
+                                                                const uint16_t *w, int64_t pstride, int mr, int np,
+                                                                uint16_t *y, int64_t N, int64_t n0,
+                                                                const uint16_t *bias, const char *pf, int64_t npf) {
+    __m512 acc[GM][GP];
+    zero_tile(acc);
+    const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
+    const int64_t per_k = (npf + K2 - 1) / K2; /* prefetched lines of the next panel group per k-pair */
+    for (int64_t kp = 0; kp < K2; kp++) {
+        prefetch_share(pf, npf, per_k, kp);
+        __m512i line[GP];
+        __m512 wv[GP];
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) {
+            line[p] = _mm512_loadu_si512(w + p * pstride + kp * 2 * NR);
+            wv[p] = _mm512_castsi512_ps(_mm512_slli_epi32(line[p], 16)); /* even k */
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512 a = _mm512_set1_ps(xf[r * ldx + 2 * kp]);
+#pragma GCC unroll 3
+            for (int p = 0; p < np; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);
+        }
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) wv[p] = _mm512_castsi512_ps(_mm512_and_si512(line[p], hi_mask)); /* odd k */
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512 a = _mm512_set1_ps(xf[r * ldx + 2 * kp + 1]);
+#pragma GCC unroll 3
+            for (int p = 0; p < np; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);
+        }
+    }
+    store_tile(acc, mr, np, y, N, n0, bias);
+}
+
+/* Which GEMM tile this CPU runs faster, measured once: 12 independent chains of each instruction, best
+ * of several short rounds (~0.1 ms each). FMA wins when its fp32 products come at least 1.25x as fast
+ * as vdpbf16ps's, the margin covering its 6 integer ops per 48 FMAs. */
+static double chain_seconds(int fma) {
+    __m512 a[12];
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i * 1e-9f);
+    const __m512 b = _mm512_set1_ps(1.0f), c = _mm512_set1_ps(1e-9f);
+    const __m512bh qb = (__m512bh)_mm512_set1_epi16(0x3f80), kb = (__m512bh)_mm512_set1_epi16(0x3000);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int n = 0; n < 4000; n++) {
+        if (fma) {
+#pragma GCC unroll 12
+            for (int i = 0; i < 12; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
+        } else {
+#pragma GCC unroll 12
+            for (int i = 0; i < 12; i++) a[i] = _mm512_dpbf16_ps(a[i], qb, kb);
+        }
+        __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]), "+v"(a[5]), "+v"(a[6]),
+                         "+v"(a[7]), "+v"(a[8]), "+v"(a[9]), "+v"(a[10]), "+v"(a[11]));
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+}
+
+static int measured_mode(void) {
+    double dot = 1e9, fma = 1e9;
+    for (int round = 0; round < 7; round++) {
+        const double d = chain_seconds(0), f = chain_seconds(1);
+        if (d < dot) dot = d;
+        if (f < fma) fma = f;
+    }
+    /* per product: a vdpbf16ps does 32, an FMA 16 */
+    return (dot / 32.0) >= 1.25 * (fma / 16.0) ? 1 : 0;
+}
+#endif
+
+static int gemm_mode = -1; /* -1: not chosen yet; 0: vdpbf16ps tiles; 1: FMA tiles */
+
+/* The GEMM tile in use (0 vdpbf16ps, 1 fp32 FMA), measuring on first call; always 0 without the SIMD path. */
+int kvf_panel_bf16_gemm_mode(void) {
+#if KVF_SIMD
+    if (gemm_mode < 0) gemm_mode = measured_mode();
+    return gemm_mode;
+#else
+    return 0;
+#endif
+}
+
+/* Force the GEMM tile (0 or 1; -1 measures again). Why: A/B benchmarks and tests of both paths. */
+void kvf_panel_bf16_set_gemm_mode(int mode) { gemm_mode = mode < 0 ? -1 : (mode ? 1 : 0); }
+
+#if KVF_SIMD
 /* One specialised copy per (rows, panels), so every accumulator loop is unrolled into registers. */
-static void gemm_block(const uint32_t *x, int64_t ldx, int64_t K2, const uint16_t *w, int64_t pstride, int mr,
-                       int np, uint16_t *y, int64_t N, int64_t n0, const uint16_t *bias) {
-#define KVF_GEMM_CASE(R, P) \
-    case (R) * 4 + (P): gemm_tile(x, ldx, K2, w, pstride, R, P, y, N, n0, bias); break;
+static void gemm_block(const uint32_t *x, const float *xf, int64_t K2, const uint16_t *w, int64_t pstride, int mr,
+                       int np, uint16_t *y, int64_t N, int64_t n0, const uint16_t *bias, const char *pf,
+                       int64_t npf) {
+#define KVF_GEMM_CASE(R, P)                                                                          \
+    case (R) * 4 + (P):                                                                              \
+        if (xf) gemm_tile_fma(xf, 2 * K2, K2, w, pstride, R, P, y, N, n0, bias, pf, npf);            \
+        else gemm_tile(x, K2, K2, w, pstride, R, P, y, N, n0, bias, pf, npf);                         \
+        break;
 #define KVF_GEMM_ROW(R) KVF_GEMM_CASE(R, 1) KVF_GEMM_CASE(R, 2) KVF_GEMM_CASE(R, 3)
     switch (mr * 4 + np) {
         KVF_GEMM_ROW(1) KVF_GEMM_ROW(2) KVF_GEMM_ROW(3) KVF_GEMM_ROW(4)
@@ -191,6 +319,23 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     }
     if (nthreads < 1) nthreads = 1;
     if (nthreads > P) nthreads = (int)P;
+    /* the FMA tiles read x widened to fp32 once: [M][2 x K2] floats, the odd K's pad a zero */
+    float *xf = NULL;
+#if KVF_SIMD
+    if (M > MR && kvf_panel_bf16_gemm_mode() == 1) {
+        xf = (float *)aligned_alloc(64, (size_t)((M * 2 * K2 * sizeof(float) + 63) / 64 * 64));
+        if (xf) {
+            /* x's padded rows are M x 2K2 bf16 in k order: each widens to fp32 by a 16-bit shift */
+            const uint16_t *src = (const uint16_t *)xp;
+            const int64_t total = M * 2 * K2;
+            for (int64_t e = 0; e < total; e += 16) {
+                const __mmask16 m = (__mmask16)(total - e >= 16 ? 0xffffu : (1u << (total - e)) - 1u);
+                const __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + e)), 16);
+                _mm512_mask_storeu_ps(xf + e, m, _mm512_castsi512_ps(v));
+            }
+        }
+    }
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
 #ifdef _OPENMP
@@ -202,12 +347,18 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
         int64_t p1 = P * (tid + 1) / nth;
 #if KVF_SIMD
         if (M > MR) { /* more rows than a decode tile: GEMM tiles */
+            const int64_t tiles = (M + GM - 1) / GM;
             for (int64_t p = p0; p < p1; p += GP) {
                 const int np = (int)(p1 - p < GP ? p1 - p : GP);
-                for (int64_t i = 0; i < M; i += GM) {
+                /* the next panel group's lines, shared out among this group's row tiles (see KVF_GEMM_PREFETCH) */
+                const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
+                const char *pf = (const char *)(wp + (p + GP) * panel_elems);
+                const int64_t lines = next * panel_elems * (int64_t)sizeof(uint16_t) / 64;
+                for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
                     const int mr = (int)(M - i < GM ? M - i : GM);
-                    gemm_block(xp + i * K2, K2, K2, wp + p * panel_elems, panel_elems, mr, np, y + i * N, N,
-                               p * NR, bias);
+                    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+                    gemm_block(xp + i * K2, xf ? xf + i * 2 * K2 : NULL, K2, wp + p * panel_elems, panel_elems,
+                               mr, np, y + i * N, N, p * NR, bias, pf + 64 * l0, l1 - l0);
                 }
             }
             p1 = p0; /* done: skip the decode-row loop below */
@@ -229,5 +380,6 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
             }
         }
     }
+    free(xf);
     free(xpad);
 }

@@ -162,17 +162,28 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
 #define GM 8
 #define GP 3
 #define GEMM512_MIN 4
+/* Software pipelining of the weights: while the row tiles of one panel group multiply (from L2), they
+ * prefetch the next group into L2, each tile an equal share of its lines spread over its k loop. Why: a
+ * batch's decode step (16-64 rows) is neither compute- nor memory-bound alone: without it the first row
+ * tile of each group waits on DRAM and the later ones leave the memory bus idle. */
+#ifndef KVF_GEMM_PREFETCH
+#define KVF_GEMM_PREFETCH 1
+#endif
 
 static inline __attribute__((always_inline)) void gemm512_tile(const float *x, int64_t ldx, int64_t K,
                                                                const float *w, int64_t pstride, int mr, int np,
                                                                float *y, int64_t N, int64_t n0,
-                                                               const float *bias) {
+                                                               const float *bias, const char *pf, int64_t npf) {
     __m512 acc[GM][GP];
 #pragma GCC unroll 8
     for (int r = 0; r < GM; r++)
 #pragma GCC unroll 3
         for (int p = 0; p < GP; p++) acc[r][p] = _mm512_setzero_ps();
+    const int64_t per_k = (npf + K - 1) / K; /* prefetched lines per k: 0 to 3 */
     for (int64_t k = 0; k < K; k++) {
+#if KVF_GEMM_PREFETCH
+        for (int64_t j = k * per_k; j < (k + 1) * per_k && j < npf; j++) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
+#endif
         __m512 wv[GP];
 #pragma GCC unroll 3
         for (int p = 0; p < np; p++) wv[p] = _mm512_loadu_ps(w + p * pstride + k * NR);
@@ -197,9 +208,9 @@ static inline __attribute__((always_inline)) void gemm512_tile(const float *x, i
 
 /* One specialised copy per (rows, panels), so every accumulator loop is unrolled into registers. */
 static void gemm512_block(const float *x, int64_t ldx, int64_t K, const float *w, int64_t pstride, int mr, int np,
-                          float *y, int64_t N, int64_t n0, const float *bias) {
+                          float *y, int64_t N, int64_t n0, const float *bias, const char *pf, int64_t npf) {
 #define KVF_GEMM_CASE(R, P) \
-    case (R) * 4 + (P): gemm512_tile(x, ldx, K, w, pstride, R, P, y, N, n0, bias); break;
+    case (R) * 4 + (P): gemm512_tile(x, ldx, K, w, pstride, R, P, y, N, n0, bias, pf, npf); break;
 #define KVF_GEMM_ROW(R) KVF_GEMM_CASE(R, 1) KVF_GEMM_CASE(R, 2) KVF_GEMM_CASE(R, 3)
     switch (mr * 4 + np) {
         KVF_GEMM_ROW(1) KVF_GEMM_ROW(2) KVF_GEMM_ROW(3) KVF_GEMM_ROW(4)
@@ -233,12 +244,19 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
         int64_t p1 = P * (tid + 1) / nth;
 #if KVF_SIMD && defined(__AVX512F__)
         if (M >= GEMM512_MIN) {
+            const int64_t tiles = (M + GM - 1) / GM;
             for (int64_t p = p0; p < p1; p += GP) {
                 const int np = (int)(p1 - p < GP ? p1 - p : GP);
-                for (int64_t i = 0; i < M; i += GM) {
+                /* the next panel group (contiguous: panels lie one after another), its lines shared out
+                 * among this group's row tiles */
+                const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
+                const char *pf = (const char *)(wp + (p + GP) * panel_floats);
+                const int64_t lines = next * K * NR * (int64_t)sizeof(float) / 64;
+                for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
                     const int mr = (int)(M - i < GM ? M - i : GM);
+                    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
                     gemm512_block(x + i * K, K, K, wp + p * panel_floats, panel_floats, mr, np, y + i * N, N,
-                                  p * NR, bias);
+                                  p * NR, bias, pf + 64 * l0, l1 - l0);
                 }
             }
             p1 = p0; /* done: skip the AVX2 loop below */
