@@ -6,13 +6,20 @@ after 300 cached tokens. Checks that the backends agree with the reference, then
 times them (the `cpu` backend runs both in its in-place C kernels at this head size).
 
     python benchmarks/attention_backends.py
+    python benchmarks/attention_backends.py --bf16-prefill   # bf16 prefill kernel: VDPBF16PS vs fp32 FMAs
+
+`--bf16-prefill` times the bf16 prefill kernel's two ways to multiply (`cpu_kernel.set_bf16_fma`, which
+the bf16 panel kernel's load-time measurement sets in an engine) on a 1,024-token chunk after 1,024
+cached tokens, calls alternating, best of several, and prints the largest difference between them.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 
+from kvforge.attention import cpu_kernel
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.attention.cpu_paged import paged_attention_cpu
 from kvforge.attention.sdpa import paged_attention_sdpa
@@ -56,5 +63,39 @@ def main() -> None:
             print(f"{str(dtype)[6:]:<10} {phase:<8} {diff:>10.2e} {t_ref:>9.2f} {t_sdpa:>8.2f} {t_cpu:>7.2f}")
 
 
+def bf16_prefill_ab(rounds: int = 7) -> None:
+    """The bf16 prefill kernel on VDPBF16PS vs on fp32 FMAs, same chunk, calls alternating."""
+    if not cpu_kernel.available():
+        raise SystemExit(f"CPU kernel unavailable: {cpu_kernel.unavailable_reason()}")
+    torch.manual_seed(0)
+    start, tq = 1024, 1024
+    cache = DenseKVCache(NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, HEAD_DIM, torch.bfloat16)
+    cache.k.normal_()
+    cache.v.normal_()
+    table = torch.randperm(NUM_BLOCKS)[: (start + tq) // BLOCK]
+    meta = AttentionMetadata(torch.zeros(tq, dtype=torch.long), 0, torch.zeros(0, 1, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.long), [PrefillChunk(slice(0, tq), start, start + tq, table)])
+    q = torch.randn(tq, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    before = cpu_kernel.bf16_fma()
+    best, outs = {False: float("inf"), True: float("inf")}, {}
+    for _ in range(rounds):
+        for on_fma in (False, True):
+            cpu_kernel.set_bf16_fma(on_fma)
+            best[on_fma] = min(best[on_fma], timed(lambda: paged_attention_cpu(q, cache, meta, HEAD_DIM**-0.5), reps=3))
+            outs[on_fma] = paged_attention_cpu(q, cache, meta, HEAD_DIM**-0.5).float()
+    cpu_kernel.set_bf16_fma(before)
+    # causal: token t sees start + t + 1 keys; QK and PV are 2 x 64 multiply-adds per key and query head
+    flop = sum(start + t + 1 for t in range(tq)) * HEADS * 64 * 2 * 2
+    print(f"bf16 prefill, {tq}-token chunk after {start} cached tokens, {torch.get_num_threads()} threads (best of {rounds}):")
+    for on_fma, name in ((False, "VDPBF16PS"), (True, "fp32 FMAs")):
+        print(f"  {name:<10} {best[on_fma]:7.2f} ms  {flop / best[on_fma] / 1e6:6.1f} GFLOP/s")
+    print(f"  VDPBF16PS / FMAs: {best[False] / best[True]:.2f}x; max |diff| {(outs[False] - outs[True]).abs().max().item():.2e}")
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bf16-prefill", action="store_true", help="the bf16 prefill kernel: VDPBF16PS vs fp32 FMAs")
+    if ap.parse_args().bf16_prefill:
+        bf16_prefill_ab()
+    else:
+        main()

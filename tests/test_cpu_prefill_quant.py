@@ -11,7 +11,7 @@ from kvforge.attention.cpu_paged import kernel_views, paged_attention_cpu
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.attention.torch_ref import gather_prefill_context, prefill_attention
 from kvforge.kv.quantized_cache import QuantizedKVCache
-from test_cpu_kernel import PREFILL_SPECS, needs_prefill_kernel
+from test_cpu_kernel import PREFILL_SPECS, bf16_fma_restored, needs_prefill_kernel  # noqa: F401 (fixture)
 from test_cpu_kernel_quant import FORMATS, GRANULARITIES
 
 pytestmark = [needs_prefill_kernel,
@@ -111,18 +111,21 @@ def test_quantized_engine_prefill_uses_the_kernel(monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("lanes", ["1", "0"], ids=["lanes", "keys-in-lanes"])
+@pytest.mark.parametrize("compute,lanes", [(torch.float32, "1"), (torch.float32, "0"), (torch.bfloat16, "1"),
+                                           (torch.bfloat16, "fma"), (torch.bfloat16, "0")],
+                         ids=["fp32-lanes", "fp32-keys-in-lanes", "bf16-lanes", "bf16-lanes-on-fma", "bf16-keys-in-lanes"])
 @pytest.mark.parametrize("k_dtype,v_dtype,gran", [("bfloat16", "bfloat16", "none"), ("int8", "fp8_e4m3", "token"),
                                                   ("float32", "int4", "channel")])
 @pytest.mark.parametrize("heads,kv_heads,bs", [(4, 4, 16), (9, 3, 16), (10, 2, 5), (14, 2, 7), (8, 1, 1)],
                          ids=["mha", "g3", "g5-bs5", "g7-bs7", "mqa-bs1"])
-def test_both_layouts_groups_windows_and_softcap(monkeypatch, compute, lanes, k_dtype, v_dtype, gran, heads, kv_heads,
-                                                 bs):
+def test_both_layouts_groups_windows_and_softcap(monkeypatch, bf16_fma_restored, compute, lanes, k_dtype, v_dtype,
+                                                 gran, heads, kv_heads, bs):
     """fp32 and bf16 compute, both loops: query vectors in lanes (the default: 16 vectors share each
     register, per-lane masks, vector softmax) and keys in lanes (KVFORGE_PREFILL_LANES=0). Chunks of 1-70
-    tokens make partial lane groups and partial key blocks; windows cut blocks on both sides."""
-    monkeypatch.setenv("KVFORGE_PREFILL_LANES", lanes)
+    tokens make partial lane groups and partial key blocks; windows cut blocks on both sides. bf16 on the
+    lanes layout runs on VDPBF16PS or, on CPUs whose fp32 FMAs outrun it, on FMAs ("fma")."""
+    monkeypatch.setenv("KVFORGE_PREFILL_LANES", "0" if lanes == "0" else "1")
+    cpu_kernel.set_bf16_fma(lanes == "fma")
     q, cache, chunks = _quantized_prefill(k_dtype, v_dtype, gran, compute, heads, kv_heads, bs,
                                           [(0, 40), (19, 9), (0, 1), (70, 33), (5, 70)], seed=2)
     _check(q, cache, chunks)

@@ -110,6 +110,33 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn = lib.kvf_paged_prefill_supported
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.kvf_set_bf16_fma.restype = None
+    lib.kvf_set_bf16_fma.argtypes = [ctypes.c_int]
+    lib.kvf_get_bf16_fma.restype = ctypes.c_int
+    lib.kvf_get_bf16_fma.argtypes = []
+    lib.kvf_set_bf16_fma(int(_bf16_fma))
+
+
+_bf16_fma = False  # see set_bf16_fma
+
+
+def set_bf16_fma(on: bool) -> None:
+    """Run bf16 prefill attention on fp32 FMAs (bf16 operands widened; same exact products, fp32
+    probabilities) instead of AVX512-BF16's `vdpbf16ps`.
+
+    Why: which one is faster depends on the CPU (Zen 4 retires one vdpbf16ps a cycle, twice its fp32 FMA
+    rate; the Intel Xeons seen here one every ~2 cycles against two FMAs a cycle). The bf16 panel kernel
+    measures it once at load (`panel_linear.bf16_gemm_mode`) and passes its choice here, so attention and
+    the linear layers multiply bf16 the same way."""
+    global _bf16_fma
+    _bf16_fma = bool(on)
+    lib = LIBRARY._lib  # applied now if loaded, else when it loads (`_declare`)
+    if lib is not None:
+        lib.kvf_set_bf16_fma(int(_bf16_fma))
+
+
+def bf16_fma() -> bool:
+    return _bf16_fma
 
 
 LIBRARY = NativeLibrary(SOURCE, "KVFORGE_CPU_KERNEL", "the CPU decode kernel", _declare)

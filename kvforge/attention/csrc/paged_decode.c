@@ -1814,26 +1814,32 @@ static inline __attribute__((always_inline)) __m512 lanes_softmax(__m512 *s, __m
 }
 
 /* Queries of an item transposed into lanes: qt[grp][e][lane] = element (or bf16 pair) e of vector
- * grp * 16 + lane (vector v = token v / G, head v % G), `per` 32-bit words a vector; pos[v] its position
- * (INT32_MIN past nv: such lanes never see a key). */
+ * grp * 16 + lane (vector v = token v / G, head v % G), `per` 32-bit words a vector (per < 0: bf16
+ * queries widened to 64 floats); pos[v] its position (INT32_MIN past nv: such lanes never see a key). */
 static void lanes_queries(const prefill_item *it, const char *q, int64_t row0, int64_t start, int64_t H, int64_t G,
                           int per, int32_t *qt, int32_t *pos) {
     const int64_t nt = it->t1 - it->t0, nv = nt * G, ngroups = (nv + 15) / 16;
-    memset(qt, 0, sizeof(int32_t) * ngroups * per * 16);
+    const int words = per < 0 ? 64 : per; /* 32-bit words a vector in qt */
+    memset(qt, 0, sizeof(int32_t) * ngroups * words * 16);
     for (int64_t v = 0; v < ngroups * 16; v++) pos[v] = INT32_MIN;
     for (int64_t v = 0; v < nv; v++) {
         const int64_t tt = v / G, g = v % G;
-        const int32_t *src = (const int32_t *)q + ((row0 + it->t0 + tt) * H + it->kv_head * G + g) * per;
-        int32_t *dst = qt + (v / 16) * per * 16 + v % 16;
-        for (int e = 0; e < per; e++) dst[e * 16] = src[e];
+        int32_t *dst = qt + (v / 16) * words * 16 + v % 16;
+        if (per < 0) { /* bf16 queries widened to fp32: 64 floats a vector */
+            const uint16_t *src = (const uint16_t *)q + ((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64;
+            for (int e = 0; e < 64; e++) ((float *)dst)[e * 16] = bf16_to_f32(src[e]);
+        } else {
+            const int32_t *src = (const int32_t *)q + ((row0 + it->t0 + tt) * H + it->kv_head * G + g) * per;
+            for (int e = 0; e < per; e++) dst[e * 16] = src[e];
+        }
         pos[v] = (int32_t)(start + it->t0 + tt);
     }
 }
 
-/* The lanes layout's output: vector v's dim is acc_t[grp][idx][lane] / l[lane], idx = dim (fp32) or the
- * unpack order of `prefill_item_bf16` (bf16). */
+/* The lanes layout's output, stored as `code`: vector v's dim is acc_t[grp][idx][lane] / l[lane], idx = dim
+ * or (`permuted`) the unpack order of `prefill_item_bf16`. */
 static void lanes_store(const prefill_item *it, char *out, int64_t row0, int64_t H, int64_t G, const float *acc_t,
-                        const __m512 *lrun, int code) {
+                        const __m512 *lrun, int code, int permuted) {
     const int64_t nv = (it->t1 - it->t0) * G, ngroups = (nv + 15) / 16;
     const size_t esz = code == KVF_F32 ? 4 : 2;
     for (int64_t grp = 0; grp < ngroups; grp++) {
@@ -1845,7 +1851,7 @@ static void lanes_store(const prefill_item *it, char *out, int64_t row0, int64_t
             float row[64];
             for (int d = 0; d < 64; d++) {
                 const int c = d / 16, L = d % 16;
-                const int dim = code == KVF_F32 ? d : 32 * (c / 2) + 8 * (L / 4) + 4 * (c % 2) + L % 4;
+                const int dim = !permuted ? d : 32 * (c / 2) + 8 * (L / 4) + 4 * (c % 2) + L % 4;
                 row[dim] = ag[d * 16 + lane] * linv[lane];
             }
             store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * esz, row, 64, code);
@@ -1961,7 +1967,7 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
             }
         }
     }
-    lanes_store(it, out, row0, H, G, acc_t, lrun, KVF_BF16);
+    lanes_store(it, out, row0, H, G, acc_t, lrun, KVF_BF16, 1);
 }
 #endif
 
@@ -1979,16 +1985,20 @@ static inline __attribute__((always_inline)) void scores_f32_half(const float *q
 /* fp32 on the lanes layout: the same loop as `prefill_item_bf16` with fp32 FMAs (64 a key for the scores,
  * 16 a dim for P.V), rows read as fp32 where they lie or decoded by `kv_row` as the keys-in-lanes loop
  * decodes them. Scratch: qt and acc_t >= 3 x 64 x 16 floats, kbuf 17 x 64 floats (16 rows and zeros),
- * vbuf 16 x 64 floats, all 64-byte aligned. */
+ * vbuf 16 x 64 floats, all 64-byte aligned.
+ * With `compute` bf16 it is the bf16 prefill on CPUs whose fp32 FMAs outrun VDPBF16PS (`kvf_set_bf16_fma`,
+ * the panel kernel's measured choice; the Intel Xeons seen here): queries widened from bf16, rows decoded
+ * to bf16 values as `prefill_item_bf16` takes them, so every product is the same exact product; the sums
+ * stay fp32 and the probabilities are not rounded to bf16 before P.V (closer to the exact result). */
 static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
                              int64_t window, float scale, float softcap, int64_t G, float *qt, float *acc_t,
-                             float *kbuf, float *vbuf) {
+                             float *kbuf, float *vbuf, int compute) {
     const int64_t nv = (it->t1 - it->t0) * G, ngroups = (nv + 15) / 16;
     float *zero_row = kbuf + 16 * 64;
     memset(zero_row, 0, 64 * sizeof(float));
     int32_t pos[48] __attribute__((aligned(64)));
-    lanes_queries(it, q, row0, start, H, G, 64, (int32_t *)qt, pos); /* 64 floats a vector */
+    lanes_queries(it, q, row0, start, H, G, compute == KVF_F32 ? 64 : -1, (int32_t *)qt, pos); /* 64 floats a vector */
     memset(acc_t, 0, sizeof(float) * ngroups * 1024);
     __m512 mrun[3], lrun[3];
     int32_t gmin[3], gmax[3];
@@ -2009,8 +2019,8 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
                 continue;
             }
             const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
-            kd[r] = kv_row(kbuf + r * 64, K, slot, it->kv_head, 64, BS, KVF_F32);
-            vd[r] = kv_row(vbuf + r * 64, V, slot, it->kv_head, 64, BS, KVF_F32);
+            kd[r] = kv_row(kbuf + r * 64, K, slot, it->kv_head, 64, BS, compute);
+            vd[r] = kv_row(vbuf + r * 64, V, slot, it->kv_head, 64, BS, compute);
         }
         for (int64_t grp = 0; grp < ngroups; grp++) {
             if (kb > gmax[grp]) continue;                                  /* all keys after every lane */
@@ -2031,11 +2041,17 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
             }
         }
     }
-    lanes_store(it, out, row0, H, G, acc_t, lrun, KVF_F32);
+    lanes_store(it, out, row0, H, G, acc_t, lrun, compute, 0);
 }
 #endif /* KVF_HAVE_AVX512 */
 
 #define KVF_PREFILL_TILE_VECTORS 48 /* query vectors (tokens x heads of a group) per work item */
+
+/* bf16 prefill on fp32 FMAs (`prefill_item_f32` with bf16 compute) instead of VDPBF16PS: set from Python
+ * to the bf16 panel kernel's measured choice (KVFORGE_BF16_GEMM), off until then. */
+static int bf16_fma = 0;
+void kvf_set_bf16_fma(int on) { bf16_fma = on != 0; }
+int kvf_get_bf16_fma(void) { return bf16_fma; }
 
 int kvf_paged_prefill_supported(int64_t H, int64_t HKV, int64_t D, int64_t DV, int dtype_code) {
 #ifdef KVF_HAVE_AVX512
@@ -2096,9 +2112,9 @@ int kvf_paged_prefill(
             if (!ok) continue;
             const prefill_item *it = items + i;
             const int64_t c = it->chunk;
-            if (lanes && dtype_code == 0) {
+            if (lanes && (dtype_code == 0 || (dtype_code == 1 && bf16_fma))) {
                 prefill_item_f32(it, (const char *)q, K, V, tables + c * MAXNB, row0[c], start[c], (char *)out, H, BS,
-                                 window, scale, softcap, G, qf, acc, (float *)kt, vf);
+                                 window, scale, softcap, G, qf, acc, (float *)kt, vf, dtype_code == 0 ? KVF_F32 : KVF_BF16);
                 continue;
             }
 #if defined(__AVX512BF16__)
