@@ -131,3 +131,25 @@ def test_both_layouts_groups_windows_and_softcap(monkeypatch, bf16_fma_restored,
     _check(q, cache, chunks)
     _check(q * 4, cache, chunks, window=13, tol=1e-4)
     _check(q * 4, cache, chunks, softcap=5.0, tol=1e-4)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("compute,on_fma", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16", "bf16-on-fma"])
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("gran", ["token", "head", "tensor"])
+def test_first_token_reads_its_value_row_exactly(bf16_fma_restored, compute, on_fma, name, gran):
+    """A chunk's first token at position 0 sees one key: probability exactly 1, so its output is its V row
+    as the kernel decodes it, bit for bit (`dequantize_row`, the decode kernel's `kv_row`), rounded once to
+    the compute dtype. Pins the lanes loops' vector decode of 8-bit rows to the reference decode."""
+    cpu_kernel.set_bf16_fma(on_fma)
+    q, cache, chunks = _quantized_prefill(name, name, gran, compute, 9, 3, 16, [(0, 5), (0, 17)], seed=4)
+    k_view, v_view = kernel_views(cache)
+    meta = AttentionMetadata(torch.zeros(q.shape[0], dtype=torch.long), 0, torch.zeros(0, 1, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.long), prefills=chunks)
+    out = paged_attention_cpu(q, cache, meta, 0.125)
+    for c in chunks:
+        slot = int(c.block_table[0]) * 16  # position 0
+        for h in range(9):
+            row = cpu_kernel.dequantize_row(v_view, slot, h // 3, compute)
+            assert torch.equal(out[c.rows.start, h], row.to(compute)), (c, h)

@@ -1990,11 +1990,41 @@ static inline __attribute__((always_inline)) void scores_f32_half(const float *q
  * the panel kernel's measured choice; the Intel Xeons seen here): queries widened from bf16, rows decoded
  * to bf16 values as `prefill_item_bf16` takes them, so every product is the same exact product; the sums
  * stay fp32 and the probabilities are not rounded to bf16 before P.V (closer to the exact result). */
+/* An 8-bit row with one scale per row (`q8_reads`) as 64 floats, 16 codes per instruction: code x factor
+ * in fp32 (one rounding), then rounded to bf16 under bf16 compute, exactly the values `kv_row` gives. */
+static inline __attribute__((always_inline)) void q8_row_f32_as(const kvf_kv *op, int64_t slot, int64_t h,
+                                                                int compute, float *dst, const int code) {
+    const char *p = op->data + slot * op->row_bytes + h * op->head_bytes;
+    const __m512 f = _mm512_set1_ps(q8_factor(op, slot, h));
+    for (int c = 0; c < 4; c++) {
+        __m512 x = _mm512_mul_ps(load16_q8(p, c, code), f);
+        if (compute == KVF_BF16) { /* f32_to_bf16's rounding, kept as an fp32 value */
+            const __m512i u = _mm512_castps_si512(x);
+            const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            x = _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                                     _mm512_set1_epi32((int)0xffff0000u)));
+        }
+        _mm512_store_ps(dst + 16 * c, x);
+    }
+}
+
+static inline __attribute__((always_inline)) const float *q8_row_f32(const kvf_kv *op, int64_t slot, int64_t h,
+                                                                    int compute, float *dst) {
+    if (op->code == KVF_INT8)
+        q8_row_f32_as(op, slot, h, compute, dst, KVF_INT8);
+    else if (op->code == KVF_E4M3)
+        q8_row_f32_as(op, slot, h, compute, dst, KVF_E4M3);
+    else
+        q8_row_f32_as(op, slot, h, compute, dst, KVF_E5M2);
+    return dst;
+}
+
 static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
                              int64_t window, float scale, float softcap, int64_t G, float *qt, float *acc_t,
                              float *kbuf, float *vbuf, int compute) {
     const int64_t nv = (it->t1 - it->t0) * G, ngroups = (nv + 15) / 16;
+    const int q8_k = q8_reads(K, compute), q8_v = q8_reads(V, compute); /* 8-bit rows: vector decode */
     float *zero_row = kbuf + 16 * 64;
     memset(zero_row, 0, 64 * sizeof(float));
     int32_t pos[48] __attribute__((aligned(64)));
@@ -2019,8 +2049,10 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
                 continue;
             }
             const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
-            kd[r] = kv_row(kbuf + r * 64, K, slot, it->kv_head, 64, BS, compute);
-            vd[r] = kv_row(vbuf + r * 64, V, slot, it->kv_head, 64, BS, compute);
+            kd[r] = q8_k ? q8_row_f32(K, slot, it->kv_head, compute, kbuf + r * 64)
+                         : kv_row(kbuf + r * 64, K, slot, it->kv_head, 64, BS, compute);
+            vd[r] = q8_v ? q8_row_f32(V, slot, it->kv_head, compute, vbuf + r * 64)
+                         : kv_row(vbuf + r * 64, V, slot, it->kv_head, 64, BS, compute);
         }
         for (int64_t grp = 0; grp < ngroups; grp++) {
             if (kb > gmax[grp]) continue;                                  /* all keys after every lane */
