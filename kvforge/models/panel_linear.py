@@ -104,7 +104,7 @@ def bf16_gemm_mode() -> str | None:
 
     Why both: AVX512-BF16's `vdpbf16ps` does 32 products an instruction, at one a cycle on Zen 4 (twice
     its fp32 FMA rate) but at about one every two cycles on the Intel Xeons measured here, which issue two
-    16-wide fp32 FMAs a cycle: there bf16 GEMMs run 1.3-1.9x faster widened to fp32
+    16-wide fp32 FMAs a cycle: there bf16 GEMMs run 1.2-1.6x faster widened to fp32
     (`benchmarks/linear_kernels.py --bf16-gemm`). Same exact products,
     fp32 sums in another order."""
     lib = LIBRARY_BF16.load()

@@ -190,7 +190,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, i
 /* The same tile on fp32 FMAs. Why: AVX512-BF16's `vdpbf16ps` is not the fastest way to multiply bf16 on
  * every CPU that has it. Zen 4 retires one a cycle (32 products, twice its fp32 FMA rate), but the Intel
  * Xeons measured here retire one every ~2 cycles while issuing two fp32 FMAs a cycle: there a bf16 GEMM
- * runs ~1.7x faster widened to fp32. A weight line (k-pair kp of 16 columns) splits into its even-k and
+ * runs 1.2-1.6x faster widened to fp32. A weight line (k-pair kp of 16 columns) splits into its even-k and
  * odd-k halves by one shift and one AND (a bf16 is the top half of its fp32), and x comes in widened
  * once per call (`xf`, [M][2 x K2] floats), so each weight register serves GM rows and each broadcast
  * GP panels as above: 6 integer ops per 48 FMAs. Every product is exact in fp32 (8-bit mantissas), as in
