@@ -46,3 +46,13 @@ def prefill_then_decode(kv, req, steps: int) -> None:
         assert kv.allocate_slots(req, 1) is not None
         req.num_computed_tokens += 1
         kv.check_integrity()
+
+
+@pytest.fixture
+def bf16_fma_restored():
+    """Tests that switch the bf16 prefill between VDPBF16PS and FMAs leave it as they found it."""
+    from kvforge.attention import cpu_kernel
+
+    before = cpu_kernel.bf16_fma()
+    yield
+    cpu_kernel.set_bf16_fma(before)

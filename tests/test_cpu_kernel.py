@@ -149,14 +149,6 @@ def _prefill_batch(dtype, heads, kv_heads, block_size, specs, seed=0):
 PREFILL_SPECS = [(0, 100), (37, 5), (0, 1), (200, 64), (15, 17)]  # first chunks, later chunks, 1-token chunk
 
 
-@pytest.fixture
-def bf16_fma_restored():
-    """Tests that switch the bf16 prefill between VDPBF16PS and FMAs leave it as they found it."""
-    before = cpu_kernel.bf16_fma()
-    yield
-    cpu_kernel.set_bf16_fma(before)
-
-
 @needs_prefill_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,block_size", [(9, 3, 16), (4, 4, 16), (16, 2, 5), (8, 1, 1)],

@@ -11,7 +11,7 @@ from kvforge.attention.cpu_paged import kernel_views, paged_attention_cpu
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.attention.torch_ref import gather_prefill_context, prefill_attention
 from kvforge.kv.quantized_cache import QuantizedKVCache
-from test_cpu_kernel import PREFILL_SPECS, bf16_fma_restored, needs_prefill_kernel  # noqa: F401 (fixture)
+from test_cpu_kernel import PREFILL_SPECS, needs_prefill_kernel
 from test_cpu_kernel_quant import FORMATS, GRANULARITIES
 
 pytestmark = [needs_prefill_kernel,

@@ -112,8 +112,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_int]
     lib.kvf_set_bf16_fma.restype = None
     lib.kvf_set_bf16_fma.argtypes = [ctypes.c_int]
-    lib.kvf_get_bf16_fma.restype = ctypes.c_int
-    lib.kvf_get_bf16_fma.argtypes = []
     lib.kvf_set_bf16_fma(int(_bf16_fma))
 
 

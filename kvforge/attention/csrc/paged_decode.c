@@ -1982,14 +1982,6 @@ static inline __attribute__((always_inline)) void scores_f32_half(const float *q
     }
 }
 
-/* fp32 on the lanes layout: the same loop as `prefill_item_bf16` with fp32 FMAs (64 a key for the scores,
- * 16 a dim for P.V), rows read as fp32 where they lie or decoded by `kv_row` as the keys-in-lanes loop
- * decodes them. Scratch: qt and acc_t >= 3 x 64 x 16 floats, kbuf 17 x 64 floats (16 rows and zeros),
- * vbuf 16 x 64 floats, all 64-byte aligned.
- * With `compute` bf16 it is the bf16 prefill on CPUs whose fp32 FMAs outrun VDPBF16PS (`kvf_set_bf16_fma`,
- * the panel kernel's measured choice; the Intel Xeons seen here): queries widened from bf16, rows decoded
- * to bf16 values as `prefill_item_bf16` takes them, so every product is the same exact product; the sums
- * stay fp32 and the probabilities are not rounded to bf16 before P.V (closer to the exact result). */
 /* An 8-bit row with one scale per row (`q8_reads`) as 64 floats, 16 codes per instruction: code x factor
  * in fp32 (one rounding), then rounded to bf16 under bf16 compute, exactly the values `kv_row` gives. */
 static inline __attribute__((always_inline)) void q8_row_f32_as(const kvf_kv *op, int64_t slot, int64_t h,
@@ -2019,6 +2011,14 @@ static inline __attribute__((always_inline)) const float *q8_row_f32(const kvf_k
     return dst;
 }
 
+/* fp32 on the lanes layout: the same loop as `prefill_item_bf16` with fp32 FMAs (64 a key for the scores,
+ * 16 a dim for P.V), rows read as fp32 where they lie or decoded by `kv_row` as the keys-in-lanes loop
+ * decodes them. Scratch: qt and acc_t >= 3 x 64 x 16 floats, kbuf 17 x 64 floats (16 rows and zeros),
+ * vbuf 16 x 64 floats, all 64-byte aligned.
+ * With `compute` bf16 it is the bf16 prefill on CPUs whose fp32 FMAs outrun VDPBF16PS (`kvf_set_bf16_fma`,
+ * the panel kernel's measured choice; the Intel Xeons seen here): queries widened from bf16, rows decoded
+ * to bf16 values as `prefill_item_bf16` takes them, so every product is the same exact product; the sums
+ * stay fp32 and the probabilities are not rounded to bf16 before P.V (closer to the exact result). */
 static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
                              int64_t window, float scale, float softcap, int64_t G, float *qt, float *acc_t,
@@ -2083,7 +2083,6 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
  * to the bf16 panel kernel's measured choice (KVFORGE_BF16_GEMM), off until then. */
 static int bf16_fma = 0;
 void kvf_set_bf16_fma(int on) { bf16_fma = on != 0; }
-int kvf_get_bf16_fma(void) { return bf16_fma; }
 
 int kvf_paged_prefill_supported(int64_t H, int64_t HKV, int64_t D, int64_t DV, int dtype_code) {
 #ifdef KVF_HAVE_AVX512
