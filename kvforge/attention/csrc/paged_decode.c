@@ -227,25 +227,32 @@ static inline __attribute__((always_inline)) void accumulate_row(
 
 
 #ifndef KVF_PREFETCH_ROWS
-#define KVF_PREFETCH_ROWS 64
+#define KVF_PREFETCH_ROWS 32
 #endif
 /* The dense AVX-512 path also fetches each V row into L2 while the score pass walks its K row (this
  * many rows behind the cursor), so the weighted-V pass after the softmax reads from cache: a thread
- * keeps two streams in flight instead of one, where each pass alone overlaps its compute poorly with
- * DRAM (the kernel read ~16 GB/s at 2 threads where a plain read of the same scattered rows reaches
- * ~27). Past L2's size (long contexts) the rows wait in L3. The 8-bit paths, compute-bound, measured
- * no gain from it. Measured in one process, calls alternating over 8 layers' caches out of DRAM
- * (`benchmarks/decode_kernel_ab.py`; benchmarks/results/quantized_decode.txt). */
+ * keeps two streams in flight instead of one. Past L2's size (long contexts) the rows wait in L3. */
 #ifndef KVF_V_PREFETCH_LAG
 #define KVF_V_PREFETCH_LAG 32
 #endif
 /* Fetch the whole rows [i0, i0 + cnt) (all KV heads) ahead of use into L2 (prefetcht1): measured
  * 20% faster per bf16 layer out of DRAM than into L1, whose few miss buffers the 6-12 lines of each
  * row fill up. Blocks are scattered in the pool, so the hardware prefetchers lose the stream at
- * every block boundary; these do not. */
+ * every block boundary; these do not. Past a pass's first rows, the AVX-512 paths issue them spread out
+ * instead (`prefetch_segment`: per row and KV head computed, that head's segment of the row
+ * KVF_PREFETCH_ROWS ahead): a burst of a tile's 48-192 prefetches stalled on the miss buffers and held
+ * back the loads of the tile's compute, so memory and compute took turns. Spread, they overlap: per layer
+ * out of DRAM on a 2-core Zen 5, 1.35x (fp32 KV), 1.3-1.45x (bf16), 1.12-1.25x (int8, fp8), same
+ * outputs (`benchmarks/decode_kernel_ab.py`, 32 x 400 tokens, 30 layers); a plain read of the same
+ * scattered blocks with 4 FMAs a line went from 0.90 to 0.56 ms a layer the same way. */
 static inline void prefetch_rows(const char *cache, const int64_t *slots, int64_t i0, int64_t cnt, size_t row) {
     for (int64_t i = i0; i < i0 + cnt; i++)
         for (size_t off = 0; off < row; off += 64) __builtin_prefetch(cache + slots[i] * row + off, 0, 2);
+}
+
+/* One head's segment of a row (bytes, whole lines) into L2, for the spread prefetches of the dense paths. */
+static inline __attribute__((always_inline)) void prefetch_segment(const char *p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
 #if defined(__AVX512F__)
@@ -303,8 +310,9 @@ static inline __attribute__((always_inline)) void load64(const char *p, int code
  * AVX512-BF16; fp32 queries (qf, 4 vectors a head) are used otherwise. */
 static inline __attribute__((always_inline)) void scores_d64(
     const char *qp, const char *k_cache, const int64_t *slots, int64_t i0, int cnt, int64_t n, size_t k_row,
-    size_t head_off, int code, float *st, const int G) {
+    size_t head_off, int code, float *st, const char *v_cache, size_t v_row, const int G) {
     __m512 part[8 * 16];
+    const size_t seg = code == 0 ? 256 : 128;
     __m512 qf[8][4];
 #if defined(__AVX512BF16__)
     __m512bh qb[8][2];
@@ -320,6 +328,9 @@ static inline __attribute__((always_inline)) void scores_d64(
             continue;
         }
         const char *kp = k_cache + slots[i0 + r] * k_row + head_off;
+        const int64_t ik = i0 + r + KVF_PREFETCH_ROWS, iv = i0 + r - KVF_V_PREFETCH_LAG;
+        if (ik < n) prefetch_segment(k_cache + slots[ik] * k_row + head_off, seg);
+        if (iv >= 0) prefetch_segment(v_cache + slots[iv] * v_row + head_off, seg);
 #if defined(__AVX512BF16__)
         if (code == 1) {
             const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp), k1 = (__m512bh)_mm512_loadu_si512(kp + 64);
@@ -346,6 +357,7 @@ static inline __attribute__((always_inline)) void values_d64(
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * 64 + 16 * c);
     for (int64_t i = i0; i < i0 + cnt; i++) {
         __m512 v[4];
+        if (i + KVF_PREFETCH_ROWS < n) prefetch_segment(v_cache + slots[i + KVF_PREFETCH_ROWS] * v_row + head_off, code == 0 ? 256 : 128);
         load64(v_cache + slots[i] * v_row + head_off, code, v);
         for (int g = 0; g < G; g++) {
             const __m512 w = _mm512_set1_ps(e[g * n + i] * inv[g]);
@@ -525,6 +537,8 @@ static inline __attribute__((always_inline)) void scores_q8(
             continue;
         }
         const char *kp = K->data + slots[i0 + r] * K->row_bytes + h * K->head_bytes;
+        if (i0 + r + KVF_PREFETCH_ROWS < n)
+            prefetch_segment(K->data + slots[i0 + r + KVF_PREFETCH_ROWS] * K->row_bytes + h * K->head_bytes, (size_t)K->head_bytes);
         if (kind == SQ_F32) {
             __m512 k[4];
             for (int c = 0; c < 4; c++) k[c] = load16_q8(kp, c, code);
@@ -577,6 +591,8 @@ static inline __attribute__((always_inline)) void values_q8(
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_loadu_ps(acc_mem + g * 64 + 16 * c);
     for (int64_t i = i0; i < i0 + cnt; i++) {
         const char *vp = V->data + slots[i] * V->row_bytes + h * V->head_bytes;
+        if (i + KVF_PREFETCH_ROWS < n)
+            prefetch_segment(V->data + slots[i + KVF_PREFETCH_ROWS] * V->row_bytes + h * V->head_bytes, (size_t)V->head_bytes);
         const float f = fac[i];
         __m512 v[4];
         for (int c = 0; c < 4; c++) v[c] = load16_q8(vp, c, code);
@@ -621,8 +637,8 @@ static inline __attribute__((always_inline)) void dequant_row_bf16(const char *p
  * p_i * v_i + p_{i+1} * v_{i+1} for 16 dims. The four accumulators per head then hold the dims in
  * unpack order; `unpermute_d64` restores them once per item. pb: bf16 probabilities, stride npad. */
 static inline __attribute__((always_inline)) void values_d64_bf16(
-    const uint16_t *pb, const char *v_cache, const int64_t *slots, int64_t i0, int cnt, int64_t npad, size_t v_row,
-    size_t head_off, float *acc_mem, const int G, const float *fac, const int qcode, const int lut) {
+    const uint16_t *pb, const char *v_cache, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t npad,
+    size_t v_row, size_t head_off, float *acc_mem, const int G, const float *fac, const int qcode, const int lut) {
     /* qcode 0: bf16 rows; else 8-bit rows of that format with factors fac[i], dequantized to bf16 as the
      * reference dequantizes them (`dequant_row_bf16`), or with lut (fp8, AVX512-VBMI) looked up as bf16 codes
      * whose factors ride on pb (`fp8_row_words`; accumulators in `unpermute_lut_d64`'s order) */
@@ -635,6 +651,8 @@ static inline __attribute__((always_inline)) void values_d64_bf16(
     for (int r = 0; r < cnt; r += 2) {
         const int64_t i = i0 + r;
         const char *v0 = v_cache + slots[i] * v_row + head_off;
+        for (int64_t ip = i + KVF_PREFETCH_ROWS; ip < i + KVF_PREFETCH_ROWS + 2 && ip < n; ip++)
+            prefetch_segment(v_cache + slots[ip] * v_row + head_off, qcode ? 64 : 128);
         __m512i a0, a1, b0 = _mm512_setzero_si512(), b1 = b0;
 #if defined(KVF_HAVE_FP8_LUT)
         if (lut) {
@@ -724,7 +742,7 @@ static void probs_q8_to_i16(const float *e, const float *inv, const float *fac, 
 
 /* acc[g] (int32, in unpack order as `values_d64_bf16`) += sum over rows [i0, i0 + cnt) of pi[g][i] * codes_i */
 static inline __attribute__((always_inline)) void values_i8_vnni(
-    const int16_t *pi, const kvf_kv *V, const int64_t *slots, int64_t i0, int cnt, int64_t npad, int64_t h,
+    const int16_t *pi, const kvf_kv *V, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t npad, int64_t h,
     int32_t *acc_mem, const int G) {
     __m512i acc[8][4];
     for (int g = 0; g < G; g++)
@@ -732,6 +750,8 @@ static inline __attribute__((always_inline)) void values_i8_vnni(
     for (int r = 0; r < cnt; r += 2) {
         const int64_t i = i0 + r;
         const char *v0 = V->data + slots[i] * V->row_bytes + h * V->head_bytes;
+        for (int64_t ip = i + KVF_PREFETCH_ROWS; ip < i + KVF_PREFETCH_ROWS + 2 && ip < n; ip++)
+            prefetch_segment(V->data + slots[ip] * V->row_bytes + h * V->head_bytes, (size_t)V->head_bytes);
         const __m512i a0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)v0));
         const __m512i a1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)v0 + 1));
         __m512i b0 = _mm512_setzero_si512(), b1 = b0;
@@ -1147,12 +1167,10 @@ int kvf_paged_decode(
                 prefetch_rows((const char *)k_cache, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, k_row);
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
-                    if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows((const char *)k_cache, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, k_row);
-                    if (i0 >= KVF_V_PREFETCH_LAG) prefetch_rows((const char *)v_cache, slots, i0 - KVF_V_PREFETCH_LAG, 16, v_row);
                     for (int64_t j = 0; j < heads_per_item; j++) {
                         const char *qp = (const char *)q + ((b * H + (kv0 + j) * G) * D) * esz;
                         const size_t off = (size_t)(kv0 + j) * D * esz;
-#define KVF_SCORES(GC) scores_d64(qp, (const char *)k_cache, slots, i0, cnt, n, k_row, off, dtype_code, scores + (j * G) * n, GC)
+#define KVF_SCORES(GC) scores_d64(qp, (const char *)k_cache, slots, i0, cnt, n, k_row, off, dtype_code, scores + (j * G) * n, (const char *)v_cache, v_row, GC)
                         KVF_DISPATCH_G(G, KVF_SCORES)
 #undef KVF_SCORES
                     }
@@ -1177,7 +1195,6 @@ int kvf_paged_decode(
                 prefetch_rows(K->data, slots, 0, n < KVF_PREFETCH_ROWS ? n : KVF_PREFETCH_ROWS, k_row);
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
-                    if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(K->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, k_row);
                     for (int64_t j = 0; j < heads_per_item; j++) {
                         const char *qp = (const char *)q + ((b * H + (kv0 + j) * G) * D) * esz;
                         const int16_t *qij = qi16 + j * G * 64;
@@ -1295,12 +1312,11 @@ int kvf_paged_decode(
 #endif
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
-                    if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows((const char *)v_cache, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
                     for (int64_t j = 0; j < heads_per_item; j++) {
                         const size_t off = (size_t)(kv0 + j) * DV * esz;
 #if defined(__AVX512BF16__)
                         if (bf16_pairs) {
-#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, npad, v_row, off, acc + (j * G) * DV, GC, NULL, 0, 0)
+#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, n, npad, v_row, off, acc + (j * G) * DV, GC, NULL, 0, 0)
                             KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
                             continue;
@@ -1332,9 +1348,8 @@ int kvf_paged_decode(
                     memset(acci, 0, sizeof(int32_t) * NH * DV);
                     for (int64_t i0 = 0; i0 < n; i0 += 16) {
                         const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
-                        if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
                         for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC) values_i8_vnni(pi + (j * G) * npad, V, slots, i0, cnt, npad, kv0 + j, acci + (j * G) * DV, GC)
+#define KVF_VALUES(GC) values_i8_vnni(pi + (j * G) * npad, V, slots, i0, cnt, n, npad, kv0 + j, acci + (j * G) * DV, GC)
                             KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
                         }
@@ -1354,9 +1369,8 @@ int kvf_paged_decode(
                         probs_to_bf16(scores + h * n, pinv[h], lut ? fac + (h / G) * n : NULL, pb16 + h * npad, n);
                     for (int64_t i0 = 0; i0 < n; i0 += 16) {
                         const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
-                        if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
                         for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC, LUT) values_d64_bf16(pb16 + (j * G) * npad, V->data, slots, i0, cnt, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, fac + j * n, zcode, LUT)
+#define KVF_VALUES(GC, LUT) values_d64_bf16(pb16 + (j * G) * npad, V->data, slots, i0, cnt, n, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, fac + j * n, zcode, LUT)
 #define KVF_VALUES_LUT(GC) KVF_VALUES(GC, 1)
 #define KVF_VALUES_DEQUANT(GC) KVF_VALUES(GC, 0)
                             if (lut) {
@@ -1374,7 +1388,6 @@ int kvf_paged_decode(
 #endif
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
-                    if (i0 + KVF_PREFETCH_ROWS < n) prefetch_rows(V->data, slots, i0 + KVF_PREFETCH_ROWS, n - i0 - KVF_PREFETCH_ROWS < 16 ? n - i0 - KVF_PREFETCH_ROWS : 16, v_row);
                     for (int64_t j = 0; j < heads_per_item; j++) {
 #define KVF_VALUES(GC) values_q8(scores + (j * G) * n, pinv + j * G, V, slots, i0, cnt, n, kv0 + j, fac + j * n, acc + (j * G) * DV, GC, zcode)
                         KVF_DISPATCH_Q8(V->code, KVF_VALUES)
