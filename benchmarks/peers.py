@@ -17,7 +17,9 @@ OpenVINO runs under another interpreter (it needs its own venv; see the recipe i
     python benchmarks/peers.py --engines kvforge --workloads long batch --dtype bfloat16   # kvforge only
 
 Without `--openvino-model` (or when that interpreter cannot import openvino_genai) OpenVINO is skipped
-with a message. `--scale` shrinks request counts and lengths for a quick run on a loaded machine.
+with a message. `--repeats N` runs the whole list N times round-robin (every configuration once per round,
+so a slow spell of a shared machine lands on all of them) and reports each configuration's median run by
+output tok/s, with the spread of its runs; ratios are taken between medians. `--scale` shrinks request counts and lengths for a quick run on a loaded machine.
 Prints one table, saves JSON and a plot under benchmarks/results/.
 """
 from __future__ import annotations
@@ -200,6 +202,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="kvforge's model (default: SmolLM2-135M-Instruct; smoke tests)")
     ap.add_argument("--vocab", type=int, default=VOCAB, help="prompt ids are drawn below this")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds over every configuration; each row is its median run (noisy machines)")
     ap.add_argument("--save", default="benchmarks/results/peers.json")
     ap.add_argument("--one", nargs=4, metavar=("ENGINE", "DTYPE", "KV", "WORKLOAD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -212,42 +216,60 @@ def main() -> None:
         if why:
             print(f"skipping OpenVINO GenAI: {why}", file=sys.stderr)
             engines.remove("openvino")
-    rows = []
-    for workload in args.workloads:
-        for dtype in args.dtype:
-            for kv in args.kv:
-                for engine in engines:
-                    if engine == "openvino" and kv == "fp8":
-                        continue
-                    python = args.openvino_python if engine == "openvino" else sys.executable
-                    cmd = [python, os.path.abspath(__file__), "--one", engine, dtype, kv, workload, "--seed",
-                           str(args.seed), "--scale", str(args.scale), "--vocab", str(args.vocab)]
-                    if args.model:
-                        cmd += ["--model", args.model]
-                    if engine == "openvino":
-                        cmd += ["--openvino-model", args.openvino_model]
-                    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
-                    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
-                    if proc.returncode:
-                        print(f"{engine} {dtype} {kv} {workload}: failed (exit {proc.returncode})", file=sys.stderr)
-                        continue
-                    rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                    print_row(rows[-1], header=len(rows) == 1)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    configs = [(workload, dtype, kv, engine) for workload in args.workloads for dtype in args.dtype
+               for kv in args.kv for engine in engines if not (engine == "openvino" and kv == "fp8")]
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    for round_ in range(args.repeats):
+        for workload, dtype, kv, engine in configs:
+            python = args.openvino_python if engine == "openvino" else sys.executable
+            cmd = [python, os.path.abspath(__file__), "--one", engine, dtype, kv, workload, "--seed",
+                   str(args.seed), "--scale", str(args.scale), "--vocab", str(args.vocab)]
+            if args.model:
+                cmd += ["--model", args.model]
+            if engine == "openvino":
+                cmd += ["--openvino-model", args.openvino_model]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+            if proc.returncode:
+                print(f"{engine} {dtype} {kv} {workload}: failed (exit {proc.returncode})", file=sys.stderr)
+                continue
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            runs[(workload, dtype, kv, engine)].append(row)
+            if args.repeats == 1:
+                print_row(row, header=sum(map(len, runs.values())) == 1)
+            else:
+                print(f"round {round_ + 1}/{args.repeats}: {workload} {dtype} kv={kv} {engine}: "
+                      f"{row['wall_s']:.2f} s, {row['out_tok_s']:.1f} out tok/s", file=sys.stderr, flush=True)
+    rows = [median_run(runs[c]) for c in configs if runs[c]]
+    if args.repeats > 1:
+        for i, r in enumerate(rows):
+            print_row(r, header=i == 0)
     print_ratios(rows)
     if args.save and rows:
         os.makedirs(os.path.dirname(args.save), exist_ok=True)
         with open(args.save, "w") as f:
-            json.dump({"scale": args.scale, "seed": args.seed, "rows": rows}, f, indent=2)
+            json.dump({"scale": args.scale, "seed": args.seed, "repeats": args.repeats, "rows": rows}, f, indent=2)
         plot(rows, args.save.rsplit(".", 1)[0] + ".png")
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median output tok/s (the lower middle one of an even count), carrying every run's
+    output tok/s so the table can show the spread a single number hides."""
+    ordered = sorted(runs, key=lambda r: r["out_tok_s"])
+    return dict(ordered[(len(ordered) - 1) // 2], runs_out_tok_s=[r["out_tok_s"] for r in runs])
+
+
 def print_row(r: dict, header: bool) -> None:
+    spread = r.get("runs_out_tok_s", [])
     if header:
         print(f"{'workload':<8} {'dtype':<9} {'kv':<6} {'engine':<9} {'wall s':>8} {'out tok/s':>10} "
-              f"{'TTFT ms':>9} {'decode tok/s':>13}")
+              f"{'TTFT ms':>9} {'decode tok/s':>13}" + (f" {'runs (out tok/s)':>18}" if len(spread) > 1 else ""))
     print(f"{r['workload']:<8} {r['dtype']:<9} {r['kv']:<6} {r['engine']:<9} {r['wall_s']:>8.2f} "
-          f"{r['out_tok_s']:>10.1f} {r['ttft_ms']:>9.1f} {r['decode_tok_s']:>13.1f}", flush=True)
+          f"{r['out_tok_s']:>10.1f} {r['ttft_ms']:>9.1f} {r['decode_tok_s']:>13.1f}"
+          + (f" {min(spread):>8.1f}-{max(spread):<9.1f}" if len(spread) > 1 else ""), flush=True)
 
 
 def print_ratios(rows: list[dict]) -> None:
