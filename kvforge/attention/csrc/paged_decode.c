@@ -1259,9 +1259,9 @@ int kvf_paged_decode(
                     }
                 }
             }
-            if (fast) { /* the V rows the score pass did not fetch yet: from the last tile's lag on */
-                const int64_t last = (n - 1) / 16 * 16, v0 = last >= KVF_V_PREFETCH_LAG ? last - KVF_V_PREFETCH_LAG + 16 : 0;
-                prefetch_rows((const char *)v_cache, slots, v0, n - v0 < KVF_PREFETCH_ROWS ? n - v0 : KVF_PREFETCH_ROWS, v_row);
+            if (fast) { /* the V rows the score pass did not fetch yet: its last KVF_V_PREFETCH_LAG */
+                const int64_t v0 = n > KVF_V_PREFETCH_LAG ? n - KVF_V_PREFETCH_LAG : 0;
+                prefetch_rows((const char *)v_cache, slots, v0, n - v0, v_row);
             }
 #ifdef KVF_HAVE_AVX2
             if (fast_v) prefetch_rows((const char *)v_cache, slots, 0, n < KVF_AVX2_PREFETCH_ROWS ? n : KVF_AVX2_PREFETCH_ROWS, v_row);
