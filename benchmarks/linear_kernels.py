@@ -126,31 +126,35 @@ def panel_vs_onednn(threads: list[int], dtype: torch.dtype = torch.float32) -> N
 
 
 def bf16_gemm_tiles(threads: list[int]) -> None:
-    """The bf16 panel kernel's two GEMM tiles (vdpbf16ps vs bf16 widened to fp32 FMAs) on the model's
-    shapes at 8-1024 rows, interleaved, with the tile this CPU's load-time measurement picks."""
+    """The bf16 panel kernel's GEMM tiles (vdpbf16ps, bf16 widened to fp32 FMAs, and AMX tiles where the
+    CPU has them) on the model's shapes at 8-1024 rows, interleaved, with the tile this CPU's load-time
+    choice picks."""
     from kvforge.models import panel_linear as pl
 
     lib = pl.LIBRARY_BF16.load()
     if lib is None or not lib.kvf_panel_bf16_simd():
         raise SystemExit("the bf16 panel kernel's AVX512-BF16 path is not built here: no GEMM tiles to compare")
     auto = pl.bf16_gemm_mode()
-    print(f"bf16 GEMM tiles; this CPU's measured choice (KVFORGE_BF16_GEMM=auto): {auto}")
+    modes = ["dot", "fma"] + (["amx"] if lib.kvf_panel_bf16_amx() else [])
+    print(f"bf16 GEMM tiles; this CPU's choice (KVFORGE_BF16_GEMM=auto): {auto}"
+          + ("" if "amx" in modes else " (no AMX tiles here)"))
     torch.manual_seed(0)
     for t in threads:
         torch.set_num_threads(t)
-        print(f"\n{t} thread(s): per call us (GFLOP/s); speed-up = dot / fma")
-        print(f"{'shape':<9} {'M':>5} {'dot (vdpbf16ps)':>19} {'fma (fp32)':>19} {'speed-up':>9} {'max rel diff':>13}")
+        print(f"\n{t} thread(s): per call us (GFLOP/s); speed-up = dot / each; max rel diff against dot")
+        print(f"{'shape':<9} {'M':>5} " + " ".join(f"{m:>19}" for m in modes)
+              + " " + " ".join(f"{'dot/' + m:>9}" for m in modes[1:]) + f" {'max rel diff':>13}")
         for name, (n, k) in SHAPES.items():
             dense = [torch.randn(n, k).bfloat16() for _ in range(1 if name == "lm_head" else 4)]
             panels = [pl.pack_panels(w) for w in dense]
             for m in (8, 32, 64, 256, 1024):
                 x = torch.randn(m, k).bfloat16()
                 outs = {}
-                for mode in ("dot", "fma"):
+                for mode in modes:
                     lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[mode])
                     outs[mode] = pl.panel_linear(x, panels[0]).float()
-                # both round one fp32 sum to bf16; the sums differ in order: relative to the largest output
-                diff = ((outs["dot"] - outs["fma"]).abs().max() / outs["dot"].abs().max()).item()
+                # each rounds one fp32 sum to bf16; the sums differ in order: relative to the largest output
+                diff = max(((outs["dot"] - outs[m]).abs().max() / outs["dot"].abs().max()).item() for m in modes)
 
                 def run(mode: str):
                     def call(i: int) -> None:
@@ -158,10 +162,11 @@ def bf16_gemm_tiles(threads: list[int]) -> None:
                         pl.panel_linear(x, panels[i])
                     return call
 
-                us = best_us({"dot": run("dot"), "fma": run("fma")}, len(dense), rounds=3 if m <= 64 else 2)
+                us = best_us({mode: run(mode) for mode in modes}, len(dense), rounds=3 if m <= 64 else 2)
                 flop = 2 * m * n * k / 1e3  # / us -> GFLOP/s
-                cells = " ".join(f"{us[c]:>9.1f} ({flop / us[c]:>6.1f})" for c in ("dot", "fma"))
-                print(f"{name:<9} {m:>5} {cells} {us['dot'] / us['fma']:>8.2f}x {diff:>13.1e}", flush=True)
+                cells = " ".join(f"{us[c]:>9.1f} ({flop / us[c]:>7.1f})" for c in modes)
+                ups = " ".join(f"{us['dot'] / us[c]:>8.2f}x" for c in modes[1:])
+                print(f"{name:<9} {m:>5} {cells} {ups} {diff:>13.1e}", flush=True)
     lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[auto])
 
 
@@ -198,7 +203,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="--panel: weight dtype (bfloat16: the AVX512-BF16 decode kernel, 1-16 rows)")
     parser.add_argument("--bf16-gemm", action="store_true",
-                        help="the bf16 panel kernel's GEMM tiles: vdpbf16ps vs fp32 FMAs (KVFORGE_BF16_GEMM)")
+                        help="the bf16 panel kernel's GEMM tiles: vdpbf16ps vs fp32 FMAs vs AMX (KVFORGE_BF16_GEMM)")
     parser.add_argument("--save", type=Path, help="also write the output to this file")
     args = parser.parse_args()
     if not ONEDNN_LINEAR:

@@ -128,12 +128,14 @@ bf16_kernel = pytest.mark.skipif(not pl.available(torch.bfloat16),
                                  reason=f"no bf16 panel kernel: {pl.unavailable_reason(torch.bfloat16)}")
 
 
-@pytest.fixture(params=["dot", "fma"])
+@pytest.fixture(params=["dot", "fma", "amx"])
 def bf16_gemm(request):
     """Each bf16 GEMM tile in turn (`KVFORGE_BF16_GEMM`), whatever this CPU's measured choice is."""
     lib = pl.LIBRARY_BF16.load()
     if lib is None or not lib.kvf_panel_bf16_simd():
         pytest.skip("the bf16 kernel's GEMM tiles need AVX512-BF16")
+    if request.param == "amx" and not lib.kvf_panel_bf16_amx():
+        pytest.skip("no AMX tiles on this CPU (or Linux refused the tile state)")
     before = lib.kvf_panel_bf16_gemm_mode()
     lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[request.param])
     assert pl.bf16_gemm_mode() == request.param
@@ -157,6 +159,18 @@ def test_bf16_kernel_matches_f_linear_for_odd_shapes(bf16_gemm):
 
 
 @bf16_kernel
+def test_bf16_gemm_tiles_on_whole_k_blocks(bf16_gemm):
+    """K a multiple of 32 (the AMX tiles' k block: every shape of the default model): every remainder of
+    16-row tiles (m % 16, m % 32), odd and even panel counts (two panels a step), row chunks past 256,
+    one and two threads, with and without bias; K not a multiple of 32 takes the vector tiles instead."""
+    torch.manual_seed(11)
+    for i, m in enumerate((5, 15, 16, 17, 31, 32, 33, 48, 63, 100, 300)):
+        n, k = (16, 17, 33, 47, 80, 200)[i % 6], (32, 64, 96, 576)[i % 4]
+        _check_bf16(m, n, k, bias=i % 2 == 0, threads=1 + i % 2)
+    _check_bf16(40, 48, 80, bias=True, threads=2)  # 40 k-pairs: not whole blocks of 16
+
+
+@bf16_kernel
 def test_bf16_gemm_tiles_agree_within_one_rounding(bf16_gemm):
     """Both GEMM tiles take exact products and fp32 sums (in different orders): against the fp64 truth each
     is within half a bf16 step plus the fp32 sum's error, on the model's shapes and 5-64 rows. A tile that
@@ -177,7 +191,7 @@ def test_bf16_gemm_switch_rejects_unknown_values():
     code = "import torch\nfrom kvforge.models import panel_linear as pl\npl.available(torch.bfloat16)\n"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode != 0
-    assert "KVFORGE_BF16_GEMM must be one of auto, dot, fma, got 'fast'" in proc.stderr
+    assert "KVFORGE_BF16_GEMM must be one of auto, dot, fma, amx, got 'fast'" in proc.stderr
 
 
 @bf16_kernel

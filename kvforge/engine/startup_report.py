@@ -189,5 +189,6 @@ def _describe_linear(model: torch.nn.Module) -> str:
     if any(m.panel_weight.dtype == torch.bfloat16 for m in panel):
         mode = bf16_gemm_mode()
         if mode is not None:  # which bf16 GEMM tile this CPU's measured instruction rates chose
-            kind += f"; bf16 GEMM rows on {'vdpbf16ps' if mode == 'dot' else 'fp32 FMAs'} (KVFORGE_BF16_GEMM={mode})"
+            tile = {"dot": "vdpbf16ps", "fma": "fp32 FMAs", "amx": "AMX tiles"}[mode]
+            kind += f"; bf16 GEMM rows on {tile} (KVFORGE_BF16_GEMM={mode})"
     return f"{kind}, {len(packed)} weights packed at load{note}"

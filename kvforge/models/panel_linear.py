@@ -48,9 +48,11 @@ LIBRARY = NativeLibrary(
 
 
 # KVFORGE_BF16_GEMM: which tile the bf16 GEMM rows (more than 4 rows) run: `dot` (AVX512-BF16's
-# vdpbf16ps), `fma` (bf16 widened to fp32 FMAs), `auto` (the default: whichever this CPU's instruction
-# rates favour, measured once at load in ~1 ms; see `gemm_mode`).
-BF16_GEMM_MODES = {"auto": -1, "dot": 0, "fma": 1}
+# vdpbf16ps), `fma` (bf16 widened to fp32 FMAs), `amx` (AMX tiles, on Xeons that have them), `auto` (the
+# default: AMX where it runs, else whichever vector tile this CPU's instruction rates favour, measured once
+# at load in ~1 ms; see `bf16_gemm_mode`).
+BF16_GEMM_MODES = {"auto": -1, "dot": 0, "fma": 1, "amx": 2}
+BF16_GEMM_NAMES = {0: "dot", 1: "fma", 2: "amx"}
 
 
 def _declare_bf16(lib: ctypes.CDLL) -> None:
@@ -62,14 +64,21 @@ def _declare_bf16(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_bf16_simd.argtypes = []
     lib.kvf_panel_bf16_gemm_mode.restype = _C
     lib.kvf_panel_bf16_gemm_mode.argtypes = []
-    lib.kvf_panel_bf16_set_gemm_mode.restype = None
+    lib.kvf_panel_bf16_set_gemm_mode.restype = _C
     lib.kvf_panel_bf16_set_gemm_mode.argtypes = [_C]
+    lib.kvf_panel_bf16_amx.restype = _C
+    lib.kvf_panel_bf16_amx.argtypes = []
+    lib.kvf_panel_bf16_fma_faster.restype = _C
+    lib.kvf_panel_bf16_fma_faster.argtypes = []
     choice = os.environ.get("KVFORGE_BF16_GEMM", "auto")
     if choice not in BF16_GEMM_MODES:
         raise ValueError(f"KVFORGE_BF16_GEMM must be one of {', '.join(BF16_GEMM_MODES)}, got {choice!r}")
+    if choice == "amx" and not lib.kvf_panel_bf16_amx():
+        raise ValueError("KVFORGE_BF16_GEMM=amx, but AMX tiles cannot run here (the CPU or compiler lacks AMX-BF16, "
+                         "or Linux refused the tile state); use auto, dot or fma")
     lib.kvf_panel_bf16_set_gemm_mode(BF16_GEMM_MODES[choice])
-    # the attention kernel's bf16 prefill follows the same measured choice (measured here: ~1 ms)
-    cpu_kernel.set_bf16_fma(bool(lib.kvf_panel_bf16_simd()) and lib.kvf_panel_bf16_gemm_mode() == 1)
+    # the attention kernel's bf16 prefill (vector tiles only) follows the measured vector choice (~1 ms)
+    cpu_kernel.set_bf16_fma(bool(lib.kvf_panel_bf16_simd()) and lib.kvf_panel_bf16_fma_faster() == 1)
 
 
 LIBRARY_BF16 = NativeLibrary(
@@ -100,17 +109,18 @@ def simd(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def bf16_gemm_mode() -> str | None:
-    """The bf16 GEMM tile in use, "dot" or "fma" (None without the bf16 kernel's SIMD path).
+    """The bf16 GEMM tile in use, "dot", "fma" or "amx" (None without the bf16 kernel's SIMD path).
 
-    Why both: AVX512-BF16's `vdpbf16ps` does 32 products an instruction, at one a cycle on Zen 4 (twice
+    Why three: AVX512-BF16's `vdpbf16ps` does 32 products an instruction, at one a cycle on Zen 4 (twice
     its fp32 FMA rate) but at about one every two cycles on the Intel Xeons measured here, which issue two
     16-wide fp32 FMAs a cycle: there bf16 GEMMs run 1.2-1.6x faster widened to fp32
-    (`benchmarks/linear_kernels.py --bf16-gemm`). Same exact products,
-    fp32 sums in another order."""
+    (`benchmarks/linear_kernels.py --bf16-gemm`). Same exact products, fp32 sums in another order. Xeons
+    with AMX (Sapphire Rapids on) multiply bf16 tiles several times faster again (2-3 TFLOP/s on 2 cores
+    against ~0.35 for the vector tiles), reading the same panel layout as their B operand."""
     lib = LIBRARY_BF16.load()
     if lib is None or not lib.kvf_panel_bf16_simd():
         return None
-    return "fma" if lib.kvf_panel_bf16_gemm_mode() == 1 else "dot"
+    return BF16_GEMM_NAMES[lib.kvf_panel_bf16_gemm_mode()]
 
 
 def unavailable_reason(dtype: torch.dtype = torch.float32) -> str | None:

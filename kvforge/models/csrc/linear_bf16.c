@@ -14,7 +14,8 @@
  * the packed weight; only the first N columns are written. Any M >= 1: up to MR rows go in decode tiles
  * that stream each panel once; more rows (prefill chunks, a batch's decode steps) in GEMM tiles of 8 rows
  * x 3 panels (below), which beat oneDNN's packed bf16 kernels from 5 to 1,024 rows on this project's
- * shapes (benchmarks/linear_kernels.py --panel --dtype bfloat16).
+ * shapes on the AVX-512 CPUs without AMX measured here (benchmarks/linear_kernels.py --panel --dtype
+ * bfloat16); where the CPU has AMX, AMX tiles on the same layout (amx_gemm) run those rows instead.
  *
  * AVX512-BF16 intrinsics where the compiler targets them; otherwise a plain-C loop over the same layout
  * (bf16 -> fp32 by a 16-bit shift, fp32 multiply-add), so the layout and the results hold on any CPU.
@@ -31,6 +32,14 @@
 #define KVF_SIMD 1
 #else
 #define KVF_SIMD 0
+#endif
+/* AMX (Sapphire Rapids and later Xeons) where the compiler targets it: see amx_gemm below. */
+#if KVF_SIMD && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && !defined(KVF_NO_AMX)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVF_AMX 1
+#else
+#define KVF_AMX 0
 #endif
 
 #define NR 16 /* output columns per panel: one zmm of fp32 accumulators */
@@ -267,20 +276,149 @@ static int measured_mode(void) {
 }
 #endif
 
-static int gemm_mode = -1; /* -1: not chosen yet; 0: vdpbf16ps tiles; 1: FMA tiles */
+#if KVF_AMX
+/* GEMM rows on AMX tiles. Why: where a Xeon has AMX, its tile unit multiplies bf16 at several times the
+ * vector units' rate (`tdpbf16ps`: a 16 x 16 fp32 tile += 16 x 32 bf16 by 32 x 16 bf16), and the panel
+ * layout is already AMX's operand layout: a panel's 16 consecutive k-pairs are 16 lines of 16 columns x 2
+ * bf16, exactly one B tile (64-byte rows), so the weights are read where they lie. x rows are the A tiles
+ * (16 rows x 32 k, the row stride of x). Each call step multiplies 32 rows by 2 panels (four C tiles, two
+ * A and two B tiles: all eight tile registers), over the whole of K, then rounds the fp32 tiles to bf16
+ * as the vector tiles do (same rounding, bias added in fp32). Rows go in chunks of AMX_MC so a chunk's
+ * x stays in L2 while every panel of the thread's share streams past it. The tile unit accumulates each
+ * k-pair's two products before adding them (flushing fp32 denormals): results agree with the vector
+ * tiles to fp32 rounding, not bit for bit. Linux grants the tile state per process
+ * (arch_prctl ARCH_REQ_XCOMP_PERM); where it refuses, the vector tiles run. */
+#define AMX_MC 256
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_config;
 
-/* The GEMM tile in use (0 vdpbf16ps, 1 fp32 FMA), measuring on first call; always 0 without the SIMD path. */
-int kvf_panel_bf16_gemm_mode(void) {
-#if KVF_SIMD
-    if (gemm_mode < 0) gemm_mode = measured_mode();
-    return gemm_mode;
+static int amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+static void amx_configure(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+/* Rows i..i+15 of x as an A tile's source: x itself, or `tail` (the last M % 16 rows, zero-padded). */
+static inline const char *amx_rows(const uint32_t *x, int64_t K2, int64_t M, int64_t i, const uint32_t *tail) {
+    return i + 16 <= M ? (const char *)(x + i * K2) : (const char *)tail;
+}
+
+/* Round a C tile's fp32 rows (+ bias) to bf16 and store the first `mr` rows' valid columns. */
+static inline void amx_store(const float *c, int mr, uint16_t *y, int64_t N, int64_t c0, const uint16_t *bias) {
+    const int64_t nv = N - c0 < NR ? N - c0 : NR;
+    if (nv <= 0) return;
+    const __mmask16 m = (__mmask16)((1u << nv) - 1u);
+    __m512 b = _mm512_setzero_ps();
+    if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + c0)), 16));
+    for (int r = 0; r < mr; r++) {
+        const __m512 v = _mm512_loadu_ps(c + r * NR);
+        _mm256_mask_storeu_epi16(y + r * N + c0, m, round_bf16x16(bias ? _mm512_add_ps(v, b) : v));
+    }
+}
+
+/* This thread's panels [p0, p1) for all M rows; K2 is a multiple of 16. */
+static void amx_gemm(const uint32_t *x, int64_t M, int64_t K2, const uint16_t *wp, int64_t panel_elems, int64_t p0,
+                     int64_t p1, uint16_t *y, int64_t N, const uint16_t *bias, const uint32_t *tail) {
+    amx_configure();
+    float c[4][16 * NR] __attribute__((aligned(64)));
+    const int64_t xs = K2 * 4; /* bytes per x row */
+    for (int64_t i0 = 0; i0 < M; i0 += AMX_MC) {
+        const int64_t i1 = i0 + AMX_MC < M ? i0 + AMX_MC : M;
+        for (int64_t p = p0; p < p1; p += 2) {
+            const int two = p + 1 < p1;
+            const char *b0 = (const char *)(wp + p * panel_elems), *b1 = (const char *)(wp + (p + 1) * panel_elems);
+            for (int64_t i = i0; i < i1; i += 32) {
+                const int lower = i + 16 < i1; /* a second 16-row half */
+                const char *a0 = amx_rows(x, K2, M, i, tail), *a1 = lower ? amx_rows(x, K2, M, i + 16, tail) : a0;
+                const int64_t s0 = a0 == (const char *)tail ? K2 * 4 : xs, s1 = a1 == (const char *)tail ? K2 * 4 : xs;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t kb = 0; kb < K2; kb += 16) {
+                    _tile_loadd(4, a0 + kb * 4, s0);
+                    _tile_loadd(6, b0 + kb * 64, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) {
+                        _tile_loadd(7, b1 + kb * 64, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (lower) {
+                        _tile_loadd(5, a1 + kb * 4, s1);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c[0], 64);
+                if (two) _tile_stored(1, c[1], 64);
+                if (lower) {
+                    _tile_stored(2, c[2], 64);
+                    if (two) _tile_stored(3, c[3], 64);
+                }
+                const int mr0 = (int)(M - i < 16 ? M - i : 16);
+                amx_store(c[0], mr0, y + i * N, N, p * NR, bias);
+                if (two) amx_store(c[1], mr0, y + i * N, N, (p + 1) * NR, bias);
+                if (lower) {
+                    const int mr1 = (int)(M - i - 16 < 16 ? M - i - 16 : 16);
+                    amx_store(c[2], mr1, y + (i + 16) * N, N, p * NR, bias);
+                    if (two) amx_store(c[3], mr1, y + (i + 16) * N, N, (p + 1) * NR, bias);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
+/* 1 where the AMX tiles can run here (built for AMX, and Linux granted the tile state). */
+int kvf_panel_bf16_amx(void) {
+#if KVF_AMX
+    return amx_permitted();
 #else
     return 0;
 #endif
 }
 
-/* Force the GEMM tile (0 or 1; -1 measures again). Why: A/B benchmarks and tests of both paths. */
-void kvf_panel_bf16_set_gemm_mode(int mode) { gemm_mode = mode < 0 ? -1 : (mode ? 1 : 0); }
+static int gemm_mode = -1; /* -1: not chosen yet; 0: vdpbf16ps tiles; 1: FMA tiles; 2: AMX tiles */
+
+static int vector_mode = -1; /* the faster vector tile, measured once: 0 vdpbf16ps, 1 FMA */
+
+/* Which vector tile this CPU runs faster (0 vdpbf16ps, 1 fp32 FMA), measured once; 0 without the SIMD path.
+ * Why apart from the GEMM mode: the attention kernel's bf16 prefill has no AMX path and follows this. */
+int kvf_panel_bf16_fma_faster(void) {
+#if KVF_SIMD
+    if (vector_mode < 0) vector_mode = measured_mode();
+    return vector_mode;
+#else
+    return 0;
+#endif
+}
+
+/* The GEMM tile in use (0 vdpbf16ps, 1 fp32 FMA, 2 AMX): AMX where it runs, else the faster vector tile;
+ * always 0 without the SIMD path. */
+int kvf_panel_bf16_gemm_mode(void) {
+    if (gemm_mode < 0) gemm_mode = kvf_panel_bf16_amx() ? 2 : kvf_panel_bf16_fma_faster();
+    return gemm_mode;
+}
+
+/* Force the GEMM tile (0, 1, or 2 where AMX runs; -1 chooses again). Why: A/B benchmarks and tests of
+ * every path. Returns the mode now in use (AMX asked for where it cannot run leaves the choice as it was). */
+int kvf_panel_bf16_set_gemm_mode(int mode) {
+    if (mode == 2 && !kvf_panel_bf16_amx()) return kvf_panel_bf16_gemm_mode();
+    gemm_mode = mode < 0 ? -1 : (mode > 2 ? 2 : mode);
+    return kvf_panel_bf16_gemm_mode();
+}
 
 #if KVF_SIMD
 /* One specialised copy per (rows, panels), so every accumulator loop is unrolled into registers. */
@@ -322,7 +460,18 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     /* the FMA tiles read x widened to fp32 once: [M][2 x K2] floats, the odd K's pad a zero */
     float *xf = NULL;
 #if KVF_SIMD
-    if (M > MR && kvf_panel_bf16_gemm_mode() == 1) {
+    const int mode = M > MR ? kvf_panel_bf16_gemm_mode() : 0;
+#if KVF_AMX
+    /* AMX: whole 16-pair k blocks only (every shape of the default model); the last M % 16 rows zero-padded */
+    const int amx = mode == 2 && K2 % 16 == 0;
+    uint32_t *tail = NULL;
+    if (amx && M % 16) {
+        tail = (uint32_t *)calloc((size_t)(16 * K2), sizeof(uint32_t));
+        if (!tail) return;
+        memcpy(tail, xp + (M - M % 16) * K2, (size_t)((M % 16) * K2) * sizeof(uint32_t));
+    }
+#endif
+    if (mode == 1) {
         xf = (float *)aligned_alloc(64, (size_t)((M * 2 * K2 * sizeof(float) + 63) / 64 * 64));
         if (xf) {
             /* x's padded rows are M x 2K2 bf16 in k order: each widens to fp32 by a 16-bit shift */
@@ -345,8 +494,14 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
 #endif
         const int64_t p0 = P * tid / nth;
         int64_t p1 = P * (tid + 1) / nth;
+#if KVF_AMX
+        if (amx) {
+            amx_gemm(xp, M, K2, wp, panel_elems, p0, p1, y, N, bias, tail);
+            p1 = p0; /* done: skip the loops below */
+        }
+#endif
 #if KVF_SIMD
-        if (M > MR) { /* more rows than a decode tile: GEMM tiles */
+        if (M > MR && p1 > p0) { /* more rows than a decode tile: GEMM tiles */
             const int64_t tiles = (M + GM - 1) / GM;
             for (int64_t p = p0; p < p1; p += GP) {
                 const int np = (int)(p1 - p < GP ? p1 - p : GP);
@@ -380,6 +535,9 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
             }
         }
     }
+#if KVF_AMX
+    free(tail);
+#endif
     free(xf);
     free(xpad);
 }
