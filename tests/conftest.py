@@ -53,6 +53,17 @@ def bf16_fma_restored():
     """Tests that switch the bf16 prefill between VDPBF16PS and FMAs leave it as they found it."""
     from kvforge.attention import cpu_kernel
 
-    before = cpu_kernel.bf16_fma()
+    before, before_amx = cpu_kernel.bf16_fma(), cpu_kernel._bf16_amx
     yield
     cpu_kernel.set_bf16_fma(before)
+    cpu_kernel.set_bf16_amx(before_amx)
+
+
+def set_bf16_prefill_path(path: str) -> None:
+    """bf16 prefill attention on "dot" (VDPBF16PS), "fma" (widened to fp32 FMAs) or "amx" (AMX tiles; the
+    test skips where they cannot run). Use with `bf16_fma_restored`."""
+    from kvforge.attention import cpu_kernel
+
+    cpu_kernel.set_bf16_fma(path == "fma")
+    if not cpu_kernel.set_bf16_amx(path == "amx") and path == "amx":
+        pytest.skip("no AMX tiles here (CPU, compiler or Linux's tile-state grant)")

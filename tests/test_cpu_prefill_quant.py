@@ -11,6 +11,7 @@ from kvforge.attention.cpu_paged import kernel_views, paged_attention_cpu
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.attention.torch_ref import gather_prefill_context, prefill_attention
 from kvforge.kv.quantized_cache import QuantizedKVCache
+from conftest import set_bf16_prefill_path
 from test_cpu_kernel import PREFILL_SPECS, needs_prefill_kernel
 from test_cpu_kernel_quant import FORMATS, GRANULARITIES
 
@@ -112,8 +113,9 @@ def test_quantized_engine_prefill_uses_the_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("compute,lanes", [(torch.float32, "1"), (torch.float32, "0"), (torch.bfloat16, "1"),
-                                           (torch.bfloat16, "fma"), (torch.bfloat16, "0")],
-                         ids=["fp32-lanes", "fp32-keys-in-lanes", "bf16-lanes", "bf16-lanes-on-fma", "bf16-keys-in-lanes"])
+                                           (torch.bfloat16, "fma"), (torch.bfloat16, "amx"), (torch.bfloat16, "0")],
+                         ids=["fp32-lanes", "fp32-keys-in-lanes", "bf16-lanes", "bf16-lanes-on-fma",
+                              "bf16-lanes-on-amx", "bf16-keys-in-lanes"])
 @pytest.mark.parametrize("k_dtype,v_dtype,gran", [("bfloat16", "bfloat16", "none"), ("int8", "fp8_e4m3", "token"),
                                                   ("float32", "int4", "channel")])
 @pytest.mark.parametrize("heads,kv_heads,bs", [(4, 4, 16), (9, 3, 16), (10, 2, 5), (14, 2, 7), (8, 1, 1)],
@@ -123,9 +125,10 @@ def test_both_layouts_groups_windows_and_softcap(monkeypatch, bf16_fma_restored,
     """fp32 and bf16 compute, both loops: query vectors in lanes (the default: 16 vectors share each
     register, per-lane masks, vector softmax) and keys in lanes (KVFORGE_PREFILL_LANES=0). Chunks of 1-70
     tokens make partial lane groups and partial key blocks; windows cut blocks on both sides. bf16 on the
-    lanes layout runs on VDPBF16PS or, on CPUs whose fp32 FMAs outrun it, on FMAs ("fma")."""
+    lanes layout runs on VDPBF16PS, on CPUs whose fp32 FMAs outrun it on FMAs ("fma"), and on Xeons with
+    AMX on its tiles ("amx")."""
     monkeypatch.setenv("KVFORGE_PREFILL_LANES", "0" if lanes == "0" else "1")
-    cpu_kernel.set_bf16_fma(lanes == "fma")
+    set_bf16_prefill_path(lanes if lanes in ("fma", "amx") else "dot")
     q, cache, chunks = _quantized_prefill(k_dtype, v_dtype, gran, compute, heads, kv_heads, bs,
                                           [(0, 40), (19, 9), (0, 1), (70, 33), (5, 70)], seed=2)
     _check(q, cache, chunks)
@@ -134,15 +137,16 @@ def test_both_layouts_groups_windows_and_softcap(monkeypatch, bf16_fma_restored,
 
 
 @needs_prefill_kernel
-@pytest.mark.parametrize("compute,on_fma", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
-                         ids=["fp32", "bf16", "bf16-on-fma"])
+@pytest.mark.parametrize("compute,path", [(torch.float32, "dot"), (torch.bfloat16, "dot"), (torch.bfloat16, "fma"),
+                                          (torch.bfloat16, "amx")],
+                         ids=["fp32", "bf16", "bf16-on-fma", "bf16-on-amx"])
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("gran", ["token", "head", "tensor"])
-def test_first_token_reads_its_value_row_exactly(bf16_fma_restored, compute, on_fma, name, gran):
+def test_first_token_reads_its_value_row_exactly(bf16_fma_restored, compute, path, name, gran):
     """A chunk's first token at position 0 sees one key: probability exactly 1, so its output is its V row
     as the kernel decodes it, bit for bit (`dequantize_row`, the decode kernel's `kv_row`), rounded once to
     the compute dtype. Pins the lanes loops' vector decode of 8-bit rows to the reference decode."""
-    cpu_kernel.set_bf16_fma(on_fma)
+    set_bf16_prefill_path(path)
     q, cache, chunks = _quantized_prefill(name, name, gran, compute, 9, 3, 16, [(0, 5), (0, 17)], seed=4)
     k_view, v_view = kernel_views(cache)
     meta = AttentionMetadata(torch.zeros(q.shape[0], dtype=torch.long), 0, torch.zeros(0, 1, dtype=torch.long),

@@ -79,6 +79,8 @@ def _declare_bf16(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_bf16_set_gemm_mode(BF16_GEMM_MODES[choice])
     # the attention kernel's bf16 prefill (vector tiles only) follows the measured vector choice (~1 ms)
     cpu_kernel.set_bf16_fma(bool(lib.kvf_panel_bf16_simd()) and lib.kvf_panel_bf16_fma_faster() == 1)
+    # and its AMX tiles, where the GEMM rows run on them
+    cpu_kernel.set_bf16_amx(bool(lib.kvf_panel_bf16_simd()) and lib.kvf_panel_bf16_gemm_mode() == 2)
 
 
 LIBRARY_BF16 = NativeLibrary(

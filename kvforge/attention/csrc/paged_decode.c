@@ -1984,6 +1984,176 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVF_PREFILL_AMX 1
+/* bf16 prefill on AMX tiles (Xeons from Sapphire Rapids on). Why: there the tile unit multiplies bf16
+ * several times faster than the vector units, and both products of an item map onto tiles with no
+ * transposes of the cache: the scores of 16 keys x 16 query vectors are one C tile, K rows (16 x 32 dims,
+ * as they lie, 2 tiles) times the lanes layout's queries (qt: 16 lanes of dim pairs, already AMX's B
+ * operand, 2 tiles); P.V is P^T (16 query vectors x 16 keys, transposed once in registers) times V as
+ * pairs of adjacent keys (vx: already a B operand, 16 dims a tile). The online softmax is the lanes
+ * layout's, unchanged; the accumulators are [vector][dim] here (C tiles are rows of vectors), rescaled by
+ * the running max's correction only when it moved. Same exact products and bf16-rounded probabilities as
+ * `prefill_item_bf16`; fp32 sums in the tile unit's order (denormals flushed, as the kernel's FTZ/DAZ).
+ * Tiles: 0 scores, 1-2 K halves, 3-4 query halves, 5 a P.V block, 6 P^T, 7 V pairs. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) kvf_amx_config;
+
+static int prefill_amx_permitted(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+static void prefill_amx_configure(void) {
+    kvf_amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.colsb[6] = 32; /* P^T: 16 vectors x 16 keys bf16 */
+    cfg.rows[7] = 8;   /* V: 8 pairs of keys x 16 dims */
+    _tile_loadconfig(&cfg);
+}
+
+/* Scratch as `prefill_item_bf16`'s, with kbuf 16 x 64 bf16 always filled (the A tiles' rows). */
+static void prefill_item_amx(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
+                             const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
+                             int64_t window, float scale, float softcap, int64_t G, int32_t *qt, float *acc,
+                             uint16_t *kbuf, int32_t *vx) {
+    const char *k_cache = K->data, *v_cache = V->data;
+    const size_t k_row = (size_t)K->row_bytes, v_row = (size_t)V->row_bytes;
+    const size_t k_off = (size_t)(it->kv_head * K->head_bytes), v_off = (size_t)(it->kv_head * V->head_bytes);
+    const int dense_k = K->code == KVF_BF16 && K->gran == KVF_SCALE_NONE;
+    const int dense_v = V->code == KVF_BF16 && V->gran == KVF_SCALE_NONE;
+    const int q8_k = q8_reads(K, KVF_BF16), q8_v = q8_reads(V, KVF_BF16);
+    const int64_t nt = it->t1 - it->t0, nv = nt * G, ngroups = (nv + 15) / 16;
+    float kdec[64] __attribute__((aligned(64)));
+    float sbuf[256] __attribute__((aligned(64)));
+    uint16_t pbuf[256] __attribute__((aligned(64)));
+    int32_t pos[48] __attribute__((aligned(64)));
+    lanes_queries(it, q, row0, start, H, G, 32, qt, pos); /* 32 bf16 pairs a vector: B tiles as they lie */
+    memset(acc, 0, sizeof(float) * ngroups * 1024);
+    __m512 mrun[3], lrun[3];
+    int32_t gmin[3], gmax[3];
+    for (int64_t grp = 0; grp < ngroups; grp++) {
+        mrun[grp] = _mm512_set1_ps(-INFINITY);
+        lrun[grp] = _mm512_setzero_ps();
+        gmin[grp] = pos[grp * 16];
+        const int64_t last = grp * 16 + 15 < nv - 1 ? grp * 16 + 15 : nv - 1;
+        gmax[grp] = pos[last];
+    }
+    prefill_amx_configure();
+    const int64_t p_first = start + it->t0, p_last = start + it->t1 - 1;
+    const int64_t kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
+    for (int64_t kb = kmin; kb <= p_last; kb += 16) {
+        const int cnt = p_last - kb + 1 < 16 ? (int)(p_last - kb + 1) : 16;
+        __m512i rows[16][2];
+        for (int r = 0; r < 16; r++) {
+            uint16_t *dst = kbuf + r * 64;
+            if (r >= cnt) {
+                _mm512_store_si512(dst, _mm512_setzero_si512());
+                _mm512_store_si512(dst + 32, _mm512_setzero_si512());
+                rows[r][0] = rows[r][1] = _mm512_setzero_si512();
+                continue;
+            }
+            const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
+            if (dense_k) {
+                const char *kp = k_cache + slot * k_row + k_off;
+                _mm512_store_si512(dst, _mm512_loadu_si512(kp));
+                _mm512_store_si512(dst + 32, _mm512_loadu_si512(kp + 64));
+            } else if (q8_k) {
+                __m512i lo, hi;
+                q8_row_bf16(K, slot, it->kv_head, &lo, &hi);
+                _mm512_store_si512(dst, lo);
+                _mm512_store_si512(dst + 32, hi);
+            } else { /* decoded values are bf16 values: back to bf16 exactly */
+                const float *x = kv_row(kdec, K, slot, it->kv_head, 64, BS, KVF_BF16);
+                _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+                _mm512_store_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32)));
+            }
+            if (dense_v) {
+                const char *vp = v_cache + slot * v_row + v_off;
+                rows[r][0] = _mm512_loadu_si512(vp);
+                rows[r][1] = _mm512_loadu_si512(vp + 64);
+            } else if (q8_v) {
+                q8_row_bf16(V, slot, it->kv_head, &rows[r][0], &rows[r][1]);
+            } else {
+                const float *x = kv_row(kdec, V, slot, it->kv_head, 64, BS, KVF_BF16);
+                rows[r][0] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+                rows[r][1] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32));
+            }
+        }
+        /* V as pairs of adjacent keys, as `prefill_item_bf16` lays them: row j of tile c at vx + (4j + c) * 16 */
+        for (int j = 0; j < 8; j++) {
+            _mm512_store_si512(vx + (4 * j) * 16, _mm512_unpacklo_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
+            _mm512_store_si512(vx + (4 * j + 1) * 16, _mm512_unpackhi_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
+            _mm512_store_si512(vx + (4 * j + 2) * 16, _mm512_unpacklo_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
+            _mm512_store_si512(vx + (4 * j + 3) * 16, _mm512_unpackhi_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
+        }
+        _tile_loadd(1, kbuf, 128);
+        _tile_loadd(2, kbuf + 32, 128);
+        for (int64_t grp = 0; grp < ngroups; grp++) {
+            if (kb > gmax[grp]) continue;                                      /* all keys after every lane */
+            if (window > 0 && kb + cnt - 1 <= gmin[grp] - window) continue;     /* all before every window */
+            const int32_t *qg = qt + grp * 512;
+            _tile_zero(0);
+            _tile_loadd(3, qg, 64);
+            _tile_loadd(4, qg + 256, 64);
+            _tile_dpbf16ps(0, 1, 3);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_stored(0, sbuf, 64);
+            __m512 s[16];
+            for (int r = 0; r < 16; r++) s[r] = _mm512_load_ps(sbuf + r * 16);
+            const __m512 corr = lanes_softmax(s, _mm512_load_si512(pos + grp * 16), kb, window, scale, softcap,
+                                              &mrun[grp], &lrun[grp]);
+            transpose16(s); /* s[n] lane r: key r's probability for vector n */
+            for (int n = 0; n < 16; n++) _mm256_store_si256((__m256i *)(pbuf + n * 16), (__m256i)_mm512_cvtneps_pbh(s[n]));
+            float *ag = acc + grp * 1024; /* [vector][dim in vx order] */
+            if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.f), _CMP_NEQ_UQ)) {
+                float cf[16] __attribute__((aligned(64)));
+                _mm512_store_ps(cf, corr);
+                for (int n = 0; n < 16; n++) {
+                    const __m512 f = _mm512_set1_ps(cf[n]);
+                    for (int c = 0; c < 4; c++)
+                        _mm512_store_ps(ag + n * 64 + c * 16, _mm512_mul_ps(_mm512_load_ps(ag + n * 64 + c * 16), f));
+                }
+            }
+            _tile_loadd(6, pbuf, 32);
+            for (int c = 0; c < 4; c++) {
+                _tile_loadd(5, ag + c * 16, 256);
+                _tile_loadd(7, vx + c * 16, 256);
+                _tile_dpbf16ps(5, 6, 7);
+                _tile_stored(5, ag + c * 16, 256);
+            }
+        }
+    }
+    _tile_release();
+    /* out: vector v's dim (c, L) -> 32(c/2) + 8(L/4) + 4(c%2) + L%4, the vx order, divided by its sum */
+    const size_t esz = 2;
+    for (int64_t grp = 0; grp < ngroups; grp++) {
+        float linv[16] __attribute__((aligned(64)));
+        _mm512_store_ps(linv, _mm512_div_ps(_mm512_set1_ps(1.f), lrun[grp]));
+        const float *ag = acc + grp * 1024;
+        for (int lane = 0; lane < 16 && grp * 16 + lane < nv; lane++) {
+            const int64_t v = grp * 16 + lane, tt = v / G, g = v % G;
+            float row[64];
+            for (int d = 0; d < 64; d++) {
+                const int c = d / 16, L = d % 16;
+                row[32 * (c / 2) + 8 * (L / 4) + 4 * (c % 2) + L % 4] = ag[lane * 64 + d] * linv[lane];
+            }
+            store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * esz, row, 64, KVF_BF16);
+        }
+    }
+}
+#else
+#define KVF_PREFILL_AMX 0
+#endif
+
 /* s[r] = sum over dims [d0, d0 + 32) of the lanes' queries (qg[d][lane]) times key r's element d. */
 static inline __attribute__((always_inline)) void scores_f32_half(const float *qg, const float *const *kd, int d0,
                                                                    __m512 *s) {
@@ -2097,6 +2267,19 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
 static int bf16_fma = 0;
 void kvf_set_bf16_fma(int on) { bf16_fma = on != 0; }
 
+/* bf16 prefill on AMX tiles (`prefill_item_amx`): asked for by the bf16 panel kernel's choice (AMX GEMM
+ * tiles), taken only where this build has the AMX path and Linux grants the tile state. Returns whether on. */
+static int bf16_amx = 0;
+int kvf_set_bf16_amx(int on) {
+#if KVF_PREFILL_AMX
+    bf16_amx = on != 0 && prefill_amx_permitted();
+#else
+    (void)on;
+    bf16_amx = 0;
+#endif
+    return bf16_amx;
+}
+
 int kvf_paged_prefill_supported(int64_t H, int64_t HKV, int64_t D, int64_t DV, int dtype_code) {
 #ifdef KVF_HAVE_AVX512
     return D == 64 && DV == 64 && HKV > 0 && H % HKV == 0 && H / HKV <= 8 && (dtype_code == 0 || dtype_code == 1);
@@ -2156,6 +2339,13 @@ int kvf_paged_prefill(
             if (!ok) continue;
             const prefill_item *it = items + i;
             const int64_t c = it->chunk;
+#if KVF_PREFILL_AMX
+            if (lanes && dtype_code == 1 && bf16_amx) {
+                prefill_item_amx(it, (const char *)q, K, V, tables + c * MAXNB, row0[c], start[c], (char *)out, H, BS,
+                                 window, scale, softcap, G, (int32_t *)qf, acc, (uint16_t *)kt, (int32_t *)vf);
+                continue;
+            }
+#endif
             if (lanes && (dtype_code == 0 || (dtype_code == 1 && bf16_fma))) {
                 prefill_item_f32(it, (const char *)q, K, V, tables + c * MAXNB, row0[c], start[c], (char *)out, H, BS,
                                  window, scale, softcap, G, qf, acc, (float *)kt, vf, dtype_code == 0 ? KVF_F32 : KVF_BF16);
