@@ -162,6 +162,13 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
 #define GM 8
 #define GP 3
 #define GEMM512_MIN 4
+/* Rows per pass over the thread's panels, as x bytes: a prefill chunk's x (1,024 rows x K floats: 2.4 MB
+ * at K = 576, 6.3 MB at 1,536) does not fit in L2, and every panel group re-read all of it from L3 or
+ * DRAM; in chunks of ~GEMM_X_BYTES the chunk stays in L2 while the weights are re-read once a chunk
+ * instead. 0: one pass over all rows. */
+#ifndef GEMM_X_BYTES
+#define GEMM_X_BYTES (512 * 1024)
+#endif
 /* Software pipelining of the weights: while the row tiles of one panel group multiply (from L2), they
  * prefetch the next group into L2, each tile an equal share of its lines spread over its k loop. Why: a
  * batch's decode step (16-64 rows) is neither compute- nor memory-bound alone: without it the first row
@@ -244,19 +251,25 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
         int64_t p1 = P * (tid + 1) / nth;
 #if KVF_SIMD && defined(__AVX512F__)
         if (M >= GEMM512_MIN) {
-            const int64_t tiles = (M + GM - 1) / GM;
-            for (int64_t p = p0; p < p1; p += GP) {
-                const int np = (int)(p1 - p < GP ? p1 - p : GP);
-                /* the next panel group (contiguous: panels lie one after another), its lines shared out
-                 * among this group's row tiles */
-                const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
-                const char *pf = (const char *)(wp + (p + GP) * panel_floats);
-                const int64_t lines = next * K * NR * (int64_t)sizeof(float) / 64;
-                for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
-                    const int mr = (int)(M - i < GM ? M - i : GM);
-                    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
-                    gemm512_block(x + i * K, K, K, wp + p * panel_floats, panel_floats, mr, np, y + i * N, N,
-                                  p * NR, bias, pf + 64 * l0, l1 - l0);
+            /* rows in chunks whose x fits in L2 beside the panel group (see GEMM_X_BYTES) */
+            int64_t mc = GEMM_X_BYTES > 0 ? GEMM_X_BYTES / (K * (int64_t)sizeof(float)) : M;
+            mc = mc < 4 * GM ? 4 * GM : mc - mc % GM;
+            for (int64_t m0 = 0; m0 < M; m0 += mc) {
+                const int64_t me = m0 + mc < M ? m0 + mc : M;
+                const int64_t tiles = (me - m0 + GM - 1) / GM;
+                for (int64_t p = p0; p < p1; p += GP) {
+                    const int np = (int)(p1 - p < GP ? p1 - p : GP);
+                    /* the next panel group (contiguous: panels lie one after another), its lines shared out
+                     * among this group's row tiles */
+                    const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
+                    const char *pf = (const char *)(wp + (p + GP) * panel_floats);
+                    const int64_t lines = next * K * NR * (int64_t)sizeof(float) / 64;
+                    for (int64_t i = m0, t = 0; i < me; i += GM, t++) {
+                        const int mr = (int)(me - i < GM ? me - i : GM);
+                        const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+                        gemm512_block(x + i * K, K, K, wp + p * panel_floats, panel_floats, mr, np, y + i * N, N,
+                                      p * NR, bias, pf + 64 * l0, l1 - l0);
+                    }
                 }
             }
             p1 = p0; /* done: skip the AVX2 loop below */
