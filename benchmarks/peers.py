@@ -19,7 +19,9 @@ OpenVINO runs under another interpreter (it needs its own venv; see the recipe i
 Without `--openvino-model` (or when that interpreter cannot import openvino_genai) OpenVINO is skipped
 with a message. `--repeats N` runs the whole list N times round-robin (every configuration once per round,
 so a slow spell of a shared machine lands on all of them) and reports each configuration's median run by
-output tok/s, with the spread of its runs; ratios are taken between medians. `--scale` shrinks request counts and lengths for a quick run on a loaded machine.
+output tok/s, with the spread of its runs; ratios are taken between medians, followed by the same ratio
+round by round ("per round 1.13x, 1.11x, 1.00x": runs of one round were minutes apart, so these show what
+the VM's drift did to each). `--scale` shrinks request counts and lengths for a quick run on a loaded machine.
 Prints one table, saves JSON and a plot under benchmarks/results/.
 """
 from __future__ import annotations
@@ -237,6 +239,7 @@ def main() -> None:
                 print(f"{engine} {dtype} {kv} {workload}: failed (exit {proc.returncode})", file=sys.stderr)
                 continue
             row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row["round"] = round_ + 1
             runs[(workload, dtype, kv, engine)].append(row)
             if args.repeats == 1:
                 print_row(row, header=sum(map(len, runs.values())) == 1)
@@ -259,7 +262,20 @@ def median_run(runs: list[dict]) -> dict:
     """The run with the median output tok/s (the lower middle one of an even count), carrying every run's
     output tok/s so the table can show the spread a single number hides."""
     ordered = sorted(runs, key=lambda r: r["out_tok_s"])
-    return dict(ordered[(len(ordered) - 1) // 2], runs_out_tok_s=[r["out_tok_s"] for r in runs])
+    return dict(ordered[(len(ordered) - 1) // 2], runs_out_tok_s=[r["out_tok_s"] for r in runs],
+                runs_round=[r.get("round", i + 1) for i, r in enumerate(runs)])
+
+
+def per_round(a: dict, b: dict) -> list[float]:
+    """a's output tok/s over b's, round by round (runs of the same round only: a failed run drops its
+    round), in round order. Why: the median ratio hides how much a slow spell of the VM moved each round."""
+    rb = dict(zip(b.get("runs_round", []), b.get("runs_out_tok_s", [])))
+    return [x / rb[k] for k, x in zip(a.get("runs_round", []), a.get("runs_out_tok_s", [])) if rb.get(k)]
+
+
+def _rounds_note(a: dict, b: dict) -> str:
+    ratios = per_round(a, b)
+    return f" (per round {', '.join(f'{x:.2f}x' for x in ratios)})" if len(ratios) > 1 else ""
 
 
 def print_row(r: dict, header: bool) -> None:
@@ -278,11 +294,11 @@ def print_ratios(rows: list[dict]) -> None:
         peer = by.get((w, d, kv, "openvino"))
         if e == "kvforge" and peer:
             print(f"{w} {d} kv={kv}: kvforge/OpenVINO out tok/s {r['out_tok_s'] / peer['out_tok_s']:.2f}x, "
-                  f"decode {r['decode_tok_s'] / max(peer['decode_tok_s'], 1e-9):.2f}x")
+                  f"decode {r['decode_tok_s'] / max(peer['decode_tok_s'], 1e-9):.2f}x{_rounds_note(r, peer)}")
         base = by.get((w, d, "model", e))
         if kv != "model" and base:
             print(f"{w} {d} {e}: {kv} KV / model-dtype KV out tok/s {r['out_tok_s'] / base['out_tok_s']:.2f}x, "
-                  f"decode {r['decode_tok_s'] / max(base['decode_tok_s'], 1e-9):.2f}x")
+                  f"decode {r['decode_tok_s'] / max(base['decode_tok_s'], 1e-9):.2f}x{_rounds_note(r, base)}")
 
 
 def plot(rows: list[dict], path: str) -> None:

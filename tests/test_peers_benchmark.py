@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,22 @@ def test_repeats_report_the_median_run_and_skip_a_missing_peer(tiny: str, tmp_pa
         assert len(runs) == 3 and row["out_tok_s"] == runs[1]  # the median run is the row
         assert f"{runs[0]:.1f}-{runs[-1]:.1f}" in proc.stdout  # and the table shows the spread
     assert "8bit KV / model-dtype KV" in proc.stdout
+    # and the ratio round by round, pairing runs of the same round
+    model, eight = data["rows"]
+    assert model["runs_round"] == eight["runs_round"] == [1, 2, 3]
+    ratios = [e / m for e, m in zip(eight["runs_out_tok_s"], model["runs_out_tok_s"])]
+    line = next(ln for ln in proc.stdout.splitlines() if "8bit KV / model-dtype KV" in ln)
+    assert line.endswith("(per round " + ", ".join(f"{x:.2f}x" for x in ratios) + ")"), line
+
+
+def test_per_round_pairs_runs_of_the_same_round() -> None:
+    """A failed run drops its round from the pairing instead of shifting the later rounds."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from peers import per_round
+
+    a = {"runs_out_tok_s": [100.0, 120.0], "runs_round": [1, 3]}
+    b = {"runs_out_tok_s": [50.0, 80.0, 60.0], "runs_round": [1, 2, 3]}
+    assert per_round(a, b) == [2.0, 2.0]
 
 
 def test_repeats_below_one_is_a_usage_error(tiny: str) -> None:
