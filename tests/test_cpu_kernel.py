@@ -113,10 +113,19 @@ def test_startup_report_names_the_attention_and_linear_paths(tiny_model_factory)
     path, _ = tiny_model_factory("llama_gqa")
     llm = LLM(model=path, log_ledger=False)
     text = llm.engine.report.render()
-    assert "attention" in text and "cpu (in-place C kernels: decode; prefill at head size 64, else SDPA)" in text
+    assert "attention" in text and "cpu (in-place C kernels: decode; prefill at head size 64, else SDPA" in text
     from kvforge.models.linear import ONEDNN_LINEAR
 
     assert "linear layers" in text and ("weights packed at load" in text) == ONEDNN_LINEAR
+    # a bf16 model: the report names the bf16 prefill loop its panel kernel chose (AMX tiles where they run)
+    text = LLM(model=path, dtype="bfloat16", log_ledger=False).engine.report.render()
+    from kvforge.models import panel_linear as pl
+
+    mode = pl.bf16_gemm_mode()
+    assert ("bf16 prefill on AMX tiles" in text) == (mode == "amx" and cpu_kernel.bf16_amx())
+    assert ("bf16 prefill on fp32 FMAs" in text) == (mode != "amx" and cpu_kernel.bf16_fma())
+    if mode == "amx":
+        assert "bf16 GEMM rows on AMX tiles" in text and "bf16 prefill on AMX tiles" in text
 
 
 def test_kernel_builds_into_a_fresh_cache_dir(tmp_path):

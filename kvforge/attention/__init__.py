@@ -35,7 +35,10 @@ def describe_backend(name: str, device: str) -> str:
     if name == "sdpa" or device != "cpu":
         return "sdpa (fused kernels)"
     if cpu_kernel.available():
-        return "cpu (in-place C kernels: decode; prefill at head size 64, else SDPA)"
+        # which bf16 prefill loop runs (set when a bf16 model's panel kernel loads; fp32 models never ask)
+        bf16 = ("; bf16 prefill on AMX tiles" if cpu_kernel.bf16_amx()
+                else "; bf16 prefill on fp32 FMAs" if cpu_kernel.bf16_fma() else "")
+        return f"cpu (in-place C kernels: decode; prefill at head size 64, else SDPA{bf16})"
     return f"sdpa (CPU decode kernel unavailable: {cpu_kernel.unavailable_reason()})"
 
 
