@@ -6,11 +6,12 @@ after 300 cached tokens. Checks that the backends agree with the reference, then
 times them (the `cpu` backend runs both in its in-place C kernels at this head size).
 
     python benchmarks/attention_backends.py
-    python benchmarks/attention_backends.py --bf16-prefill   # bf16 prefill kernel: VDPBF16PS vs fp32 FMAs
+    python benchmarks/attention_backends.py --bf16-prefill   # bf16 prefill kernel: VDPBF16PS vs FMAs vs AMX
 
-`--bf16-prefill` times the bf16 prefill kernel's two ways to multiply (`cpu_kernel.set_bf16_fma`, which
-the bf16 panel kernel's load-time measurement sets in an engine) on a 1,024-token chunk after 1,024
-cached tokens, calls alternating, best of several, and prints the largest difference between them.
+`--bf16-prefill` times the bf16 prefill kernel's ways to multiply (`cpu_kernel.set_bf16_fma` and
+`set_bf16_amx`, which the bf16 panel kernel's load-time choice sets in an engine; AMX tiles only where
+they run) on a 1,024-token chunk after 1,024 cached tokens, calls alternating, best of several, and prints
+the largest difference from the VDPBF16PS loop.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def main() -> None:
 
 
 def bf16_prefill_ab(rounds: int = 7) -> None:
-    """The bf16 prefill kernel on VDPBF16PS vs on fp32 FMAs, same chunk, calls alternating."""
+    """The bf16 prefill kernel on VDPBF16PS, on fp32 FMAs and (where they run) on AMX tiles, same chunk,
+    calls alternating."""
     if not cpu_kernel.available():
         raise SystemExit(f"CPU kernel unavailable: {cpu_kernel.unavailable_reason()}")
     torch.manual_seed(0)
@@ -76,25 +78,32 @@ def bf16_prefill_ab(rounds: int = 7) -> None:
     meta = AttentionMetadata(torch.zeros(tq, dtype=torch.long), 0, torch.zeros(0, 1, dtype=torch.long),
                              torch.zeros(0, dtype=torch.long), [PrefillChunk(slice(0, tq), start, start + tq, table)])
     q = torch.randn(tq, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    before = cpu_kernel.bf16_fma()
-    best, outs = {False: float("inf"), True: float("inf")}, {}
+    before_fma, before_amx = cpu_kernel.bf16_fma(), cpu_kernel.bf16_amx()
+    paths = {"VDPBF16PS": (False, False), "fp32 FMAs": (True, False)}
+    if cpu_kernel.set_bf16_amx(True):
+        paths["AMX tiles"] = (False, True)
+    best, outs = {name: float("inf") for name in paths}, {}
     for _ in range(rounds):
-        for on_fma in (False, True):
+        for name, (on_fma, on_amx) in paths.items():
             cpu_kernel.set_bf16_fma(on_fma)
-            best[on_fma] = min(best[on_fma], timed(lambda: paged_attention_cpu(q, cache, meta, HEAD_DIM**-0.5), reps=3))
-            outs[on_fma] = paged_attention_cpu(q, cache, meta, HEAD_DIM**-0.5).float()
-    cpu_kernel.set_bf16_fma(before)
+            cpu_kernel.set_bf16_amx(on_amx)
+            best[name] = min(best[name], timed(lambda: paged_attention_cpu(q, cache, meta, HEAD_DIM**-0.5), reps=3))
+            outs[name] = paged_attention_cpu(q, cache, meta, HEAD_DIM**-0.5).float()
+    cpu_kernel.set_bf16_fma(before_fma)
+    cpu_kernel.set_bf16_amx(before_amx)
     # causal: token t sees start + t + 1 keys; QK and PV are 2 x 64 multiply-adds per key and query head
     flop = sum(start + t + 1 for t in range(tq)) * HEADS * 64 * 2 * 2
-    print(f"bf16 prefill, {tq}-token chunk after {start} cached tokens, {torch.get_num_threads()} threads (best of {rounds}):")
-    for on_fma, name in ((False, "VDPBF16PS"), (True, "fp32 FMAs")):
-        print(f"  {name:<10} {best[on_fma]:7.2f} ms  {flop / best[on_fma] / 1e6:6.1f} GFLOP/s")
-    print(f"  VDPBF16PS / FMAs: {best[False] / best[True]:.2f}x; max |diff| {(outs[False] - outs[True]).abs().max().item():.2e}")
+    print(f"bf16 prefill, {tq}-token chunk after {start} cached tokens, {torch.get_num_threads()} threads (best of {rounds})"
+          + ("" if "AMX tiles" in paths else "; no AMX tiles here") + ":")
+    for name in paths:
+        diff = (outs[name] - outs["VDPBF16PS"]).abs().max().item()
+        print(f"  {name:<10} {best[name]:7.2f} ms  {flop / best[name] / 1e6:6.1f} GFLOP/s  "
+              f"VDPBF16PS / this {best['VDPBF16PS'] / best[name]:.2f}x  max |diff| vs VDPBF16PS {diff:.2e}")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bf16-prefill", action="store_true", help="the bf16 prefill kernel: VDPBF16PS vs fp32 FMAs")
+    ap.add_argument("--bf16-prefill", action="store_true", help="the bf16 prefill kernel: VDPBF16PS vs fp32 FMAs vs AMX tiles")
     if ap.parse_args().bf16_prefill:
         bf16_prefill_ab()
     else:

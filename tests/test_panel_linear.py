@@ -195,6 +195,34 @@ def test_bf16_gemm_switch_rejects_unknown_values():
 
 
 @bf16_kernel
+def test_bf16_gemm_amx_where_it_cannot_run_is_an_error_naming_why(tmp_path):
+    """KVFORGE_BF16_GEMM=amx with a build that has no AMX path (`-mno-amx-tile`, as on every CPU without
+    AMX) stops the bf16 kernel's load with an error that says why and what to use instead."""
+    env = dict(os.environ, KVFORGE_BF16_GEMM="amx", KVFORGE_EXTRA_CFLAGS="-mno-amx-tile",
+               KVFORGE_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+    code = "import torch\nfrom kvforge.models import panel_linear as pl\npl.available(torch.bfloat16)\n"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "KVFORGE_BF16_GEMM=amx, but AMX tiles cannot run here" in proc.stderr and "use auto, dot or fma" in proc.stderr
+
+
+@bf16_kernel
+def test_bf16_gemm_choice_carries_to_prefill_attention(tmp_path):
+    """The bf16 prefill attention follows the GEMM rows' choice: `fma` keeps it off the AMX tiles and on
+    FMAs; `auto` puts it on AMX exactly where the GEMM rows run there."""
+    code = ("import torch\nfrom kvforge.models import panel_linear as pl\nfrom kvforge.attention import cpu_kernel\n"
+            "pl.available(torch.bfloat16)\nprint(pl.bf16_gemm_mode(), cpu_kernel.bf16_amx(), cpu_kernel.bf16_fma())\n")
+    seen = {}
+    for choice in ("fma", "auto"):
+        env = dict(os.environ, KVFORGE_BF16_GEMM=choice, PYTHONPATH=os.pathsep.join(sys.path))
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        seen[choice] = proc.stdout.split()
+    if seen["fma"][0] != "None":  # the AVX512-BF16 path is built
+        assert seen["fma"] == ["fma", "False", "True"]
+        assert (seen["auto"][0] == "amx") == (seen["auto"][1] == "True")
+
+
+@bf16_kernel
 def test_bf16_rounding_is_round_to_nearest_even_in_every_tile():
     """The GEMM tiles round in registers, the decode tiles per element: the same bits either way (one row
     of a batch gives what it gives alone), NaN and infinities included."""

@@ -115,11 +115,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvf_set_bf16_fma(int(_bf16_fma))
     lib.kvf_set_bf16_amx.restype = ctypes.c_int
     lib.kvf_set_bf16_amx.argtypes = [ctypes.c_int]
-    lib.kvf_set_bf16_amx(int(_bf16_amx))
+    global _bf16_amx_on
+    _bf16_amx_on = bool(lib.kvf_set_bf16_amx(int(_bf16_amx)))
 
 
 _bf16_fma = False  # see set_bf16_fma
-_bf16_amx = False  # see set_bf16_amx
+_bf16_amx = False  # see set_bf16_amx: asked for
+_bf16_amx_on = False  # and granted by the loaded kernel (its build has AMX, Linux gave the tile state)
 
 
 def set_bf16_fma(on: bool) -> None:
@@ -150,16 +152,18 @@ def set_bf16_amx(on: bool) -> bool:
     the lanes layout's queries and key-paired V rows are already AMX operands. The bf16 panel kernel passes
     its choice here (AMX GEMM tiles, `panel_linear.bf16_gemm_mode`), so `KVFORGE_BF16_GEMM=fma|dot` keeps
     attention off the tiles too."""
-    global _bf16_amx
+    global _bf16_amx, _bf16_amx_on
     _bf16_amx = bool(on)
     lib = LIBRARY._lib  # applied now if loaded, else when it loads (`_declare`)
-    return bool(lib.kvf_set_bf16_amx(int(_bf16_amx))) if lib is not None else False
+    if lib is not None:
+        _bf16_amx_on = bool(lib.kvf_set_bf16_amx(int(_bf16_amx)))
+    return _bf16_amx_on if lib is not None else False
 
 
 def bf16_amx() -> bool:
     """Whether bf16 prefill attention runs on AMX tiles (asked for, and possible here)."""
-    lib = LIBRARY.load()
-    return bool(lib is not None and _bf16_amx and lib.kvf_set_bf16_amx(1))
+    LIBRARY.load()  # applies the request if this is the first use
+    return _bf16_amx_on
 
 
 LIBRARY = NativeLibrary(SOURCE, "KVFORGE_CPU_KERNEL", "the CPU decode kernel", _declare)

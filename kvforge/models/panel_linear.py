@@ -77,10 +77,11 @@ def _declare_bf16(lib: ctypes.CDLL) -> None:
         raise ValueError("KVFORGE_BF16_GEMM=amx, but AMX tiles cannot run here (the CPU or compiler lacks AMX-BF16, "
                          "or Linux refused the tile state); use auto, dot or fma")
     lib.kvf_panel_bf16_set_gemm_mode(BF16_GEMM_MODES[choice])
-    # the attention kernel's bf16 prefill (vector tiles only) follows the measured vector choice (~1 ms)
-    cpu_kernel.set_bf16_fma(bool(lib.kvf_panel_bf16_simd()) and lib.kvf_panel_bf16_fma_faster() == 1)
-    # and its AMX tiles, where the GEMM rows run on them
-    cpu_kernel.set_bf16_amx(bool(lib.kvf_panel_bf16_simd()) and lib.kvf_panel_bf16_gemm_mode() == 2)
+    # the attention kernel's bf16 prefill multiplies as the GEMM rows do: on AMX tiles where they run there,
+    # else on the vector tile in use (with AMX, the faster one, measured here in ~1 ms, is its fallback)
+    simd, mode = bool(lib.kvf_panel_bf16_simd()), lib.kvf_panel_bf16_gemm_mode()
+    cpu_kernel.set_bf16_amx(simd and mode == 2)
+    cpu_kernel.set_bf16_fma(simd and (mode == 1 or (mode == 2 and lib.kvf_panel_bf16_fma_faster() == 1)))
 
 
 LIBRARY_BF16 = NativeLibrary(

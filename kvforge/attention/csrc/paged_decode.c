@@ -1873,28 +1873,9 @@ static void lanes_store(const prefill_item *it, char *out, int64_t row0, int64_t
 }
 
 #if defined(__AVX512BF16__)
-/* One item (chunk c's query tokens [t0, t1) x the G heads of KV head j) on the lanes layout. Scratch:
- * qt >= 3 x 32 x 16 dwords, acc_t >= 3 x 64 x 16 floats, kbuf 16 x 64 bf16 (+ a zero row), vx 32 x 16
- * dwords, all 64-byte aligned. */
-static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
-                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
-                              int64_t window, float scale, float softcap, int64_t G, int32_t *qt, float *acc_t,
-                              uint16_t *kbuf, int32_t *vx) {
-    const char *k_cache = K->data, *v_cache = V->data;
-    const size_t k_row = (size_t)K->row_bytes, v_row = (size_t)V->row_bytes;
-    const size_t k_off = (size_t)(it->kv_head * K->head_bytes), v_off = (size_t)(it->kv_head * V->head_bytes);
-    const int dense_k = K->code == KVF_BF16 && K->gran == KVF_SCALE_NONE;
-    const int dense_v = V->code == KVF_BF16 && V->gran == KVF_SCALE_NONE;
-    const int q8_k = q8_reads(K, KVF_BF16), q8_v = q8_reads(V, KVF_BF16);
-    const int64_t nt = it->t1 - it->t0, nv = nt * G, ngroups = (nv + 15) / 16;
-    float kdec[64] __attribute__((aligned(64)));
-    uint16_t *zero_row = kbuf + 16 * 64; /* what missing keys of a partial block point at */
-    memset(zero_row, 0, 64 * sizeof(uint16_t));
-    int32_t pos[48] __attribute__((aligned(64)));
-    lanes_queries(it, q, row0, start, H, G, 32, qt, pos); /* 32 bf16 pairs a vector */
-    memset(acc_t, 0, sizeof(float) * ngroups * 1024);
-    __m512 mrun[3], lrun[3];
-    int32_t gmin[3], gmax[3];
+/* The lanes groups' running max and sum (empty), and the first and last position of each group's lanes. */
+static inline void lanes_groups_init(const int32_t *pos, int64_t nv, int64_t ngroups, __m512 *mrun, __m512 *lrun,
+                                     int32_t *gmin, int32_t *gmax) {
     for (int64_t grp = 0; grp < ngroups; grp++) {
         mrun[grp] = _mm512_set1_ps(-INFINITY);
         lrun[grp] = _mm512_setzero_ps();
@@ -1902,6 +1883,94 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
         const int64_t last = grp * 16 + 15 < nv - 1 ? grp * 16 + 15 : nv - 1;
         gmax[grp] = pos[last];
     }
+}
+
+/* One block of 16 keys (kb .. kb + cnt - 1, the rest zero) as bf16, read in place or decoded. K: kd[r] points
+ * at key r's 64 bf16 (pairs as int32): into the cache for dense rows unless `copy_k`, else into kbuf (16 x 64,
+ * where decoded or copied rows go; `zero_row` for missing keys). V: the block as pairs of adjacent keys,
+ * vx[(4j + c) * 16 + L] = (v_2j, v_2j+1) at dim 32(c/2) + 8(L/4) + 4(c%2) + L%4 (the unpack order). Decoded
+ * values are bf16 values, so going back to bf16 is exact. */
+static inline __attribute__((always_inline)) void block_rows_bf16(
+    const kvf_kv *K, const kvf_kv *V, const int64_t *table, int64_t BS, int64_t kv_head, int64_t kb, int cnt,
+    int copy_k, const int32_t **kd, uint16_t *kbuf, const uint16_t *zero_row, int32_t *vx) {
+    const size_t k_row = (size_t)K->row_bytes, v_row = (size_t)V->row_bytes;
+    const size_t k_off = (size_t)(kv_head * K->head_bytes), v_off = (size_t)(kv_head * V->head_bytes);
+    const int dense_k = K->code == KVF_BF16 && K->gran == KVF_SCALE_NONE;
+    const int dense_v = V->code == KVF_BF16 && V->gran == KVF_SCALE_NONE;
+    const int q8_k = q8_reads(K, KVF_BF16), q8_v = q8_reads(V, KVF_BF16);
+    float kdec[64] __attribute__((aligned(64)));
+    __m512i rows[16][2];
+    for (int r = 0; r < 16; r++) {
+        uint16_t *dst = kbuf + r * 64;
+        if (r >= cnt) {
+            if (copy_k) {
+                _mm512_storeu_si512(dst, _mm512_setzero_si512());
+                _mm512_storeu_si512(dst + 32, _mm512_setzero_si512());
+                kd[r] = (const int32_t *)dst;
+            } else {
+                kd[r] = (const int32_t *)zero_row;
+            }
+            rows[r][0] = rows[r][1] = _mm512_setzero_si512();
+            continue;
+        }
+        const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
+        if (dense_k) {
+            const char *kp = K->data + slot * k_row + k_off;
+            if (copy_k) {
+                _mm512_storeu_si512(dst, _mm512_loadu_si512(kp));
+                _mm512_storeu_si512(dst + 32, _mm512_loadu_si512(kp + 64));
+                kd[r] = (const int32_t *)dst;
+            } else {
+                kd[r] = (const int32_t *)kp;
+            }
+        } else if (q8_k) {
+            __m512i lo, hi;
+            q8_row_bf16(K, slot, kv_head, &lo, &hi);
+            _mm512_storeu_si512(dst, lo);
+            _mm512_storeu_si512(dst + 32, hi);
+            kd[r] = (const int32_t *)dst;
+        } else {
+            const float *x = kv_row(kdec, K, slot, kv_head, 64, BS, KVF_BF16);
+            _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
+            _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32)));
+            kd[r] = (const int32_t *)dst;
+        }
+        if (dense_v) {
+            const char *vp = V->data + slot * v_row + v_off;
+            rows[r][0] = _mm512_loadu_si512(vp);
+            rows[r][1] = _mm512_loadu_si512(vp + 64);
+        } else if (q8_v) {
+            q8_row_bf16(V, slot, kv_head, &rows[r][0], &rows[r][1]);
+        } else {
+            const float *x = kv_row(kdec, V, slot, kv_head, 64, BS, KVF_BF16);
+            rows[r][0] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+            rows[r][1] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32));
+        }
+    }
+    for (int j = 0; j < 8; j++) {
+        _mm512_store_si512(vx + (4 * j) * 16, _mm512_unpacklo_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
+        _mm512_store_si512(vx + (4 * j + 1) * 16, _mm512_unpackhi_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
+        _mm512_store_si512(vx + (4 * j + 2) * 16, _mm512_unpacklo_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
+        _mm512_store_si512(vx + (4 * j + 3) * 16, _mm512_unpackhi_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
+    }
+}
+
+/* One item (chunk c's query tokens [t0, t1) x the G heads of KV head j) on the lanes layout. Scratch:
+ * qt >= 3 x 32 x 16 dwords, acc_t >= 3 x 64 x 16 floats, kbuf 16 x 64 bf16 (+ a zero row), vx 32 x 16
+ * dwords, all 64-byte aligned. */
+static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
+                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
+                              int64_t window, float scale, float softcap, int64_t G, int32_t *qt, float *acc_t,
+                              uint16_t *kbuf, int32_t *vx) {
+    const int64_t nt = it->t1 - it->t0, nv = nt * G, ngroups = (nv + 15) / 16;
+    uint16_t *zero_row = kbuf + 16 * 64; /* what missing keys of a partial block point at */
+    memset(zero_row, 0, 64 * sizeof(uint16_t));
+    int32_t pos[48] __attribute__((aligned(64)));
+    lanes_queries(it, q, row0, start, H, G, 32, qt, pos); /* 32 bf16 pairs a vector */
+    memset(acc_t, 0, sizeof(float) * ngroups * 1024);
+    __m512 mrun[3], lrun[3];
+    int32_t gmin[3], gmax[3];
+    lanes_groups_init(pos, nv, ngroups, mrun, lrun, gmin, gmax);
     const int64_t p_first = start + it->t0, p_last = start + it->t1 - 1;
     const int64_t kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
     /* pairs of adjacent keys per lane: (p_2j, p_2j+1) from cvtne2ps_pbh(p_2j+1, p_2j)'s two halves */
@@ -1910,48 +1979,7 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
     for (int64_t kb = kmin; kb <= p_last; kb += 16) {
         const int cnt = p_last - kb + 1 < 16 ? (int)(p_last - kb + 1) : 16;
         const int32_t *kd[16];
-        __m512i rows[16][2];
-        for (int r = 0; r < 16; r++) {
-            if (r >= cnt) {
-                kd[r] = (const int32_t *)zero_row;
-                rows[r][0] = rows[r][1] = _mm512_setzero_si512();
-                continue;
-            }
-            const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
-            if (dense_k) {
-                kd[r] = (const int32_t *)(k_cache + slot * k_row + k_off);
-            } else if (q8_k) {
-                __m512i lo, hi;
-                q8_row_bf16(K, slot, it->kv_head, &lo, &hi);
-                _mm512_storeu_si512(kbuf + r * 64, lo);
-                _mm512_storeu_si512(kbuf + r * 64 + 32, hi);
-                kd[r] = (const int32_t *)(kbuf + r * 64);
-            } else { /* decoded values are bf16 values: back to bf16 exactly */
-                const float *x = kv_row(kdec, K, slot, it->kv_head, 64, BS, KVF_BF16);
-                uint16_t *dst = kbuf + r * 64;
-                _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
-                _mm512_storeu_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32)));
-                kd[r] = (const int32_t *)dst;
-            }
-            if (dense_v) {
-                const char *vp = v_cache + slot * v_row + v_off;
-                rows[r][0] = _mm512_loadu_si512(vp);
-                rows[r][1] = _mm512_loadu_si512(vp + 64);
-            } else if (q8_v) {
-                q8_row_bf16(V, slot, it->kv_head, &rows[r][0], &rows[r][1]);
-            } else {
-                const float *x = kv_row(kdec, V, slot, it->kv_head, 64, BS, KVF_BF16);
-                rows[r][0] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
-                rows[r][1] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32));
-            }
-        }
-        /* V as pairs of adjacent keys: vx[(4j + c) * 16 + L] = (v_2j, v_2j+1) at dim 32(c/2) + 8(L/4) + 4(c%2) + L%4 */
-        for (int j = 0; j < 8; j++) {
-            _mm512_store_si512(vx + (4 * j) * 16, _mm512_unpacklo_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
-            _mm512_store_si512(vx + (4 * j + 1) * 16, _mm512_unpackhi_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
-            _mm512_store_si512(vx + (4 * j + 2) * 16, _mm512_unpacklo_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
-            _mm512_store_si512(vx + (4 * j + 3) * 16, _mm512_unpackhi_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
-        }
+        block_rows_bf16(K, V, table, BS, it->kv_head, kb, cnt, 0, kd, kbuf, zero_row, vx);
         for (int64_t grp = 0; grp < ngroups; grp++) {
             if (kb > gmax[grp]) continue;                                      /* all keys after every lane */
             if (window > 0 && kb + cnt - 1 <= gmin[grp] - window) continue;     /* all before every window */
@@ -2025,14 +2053,7 @@ static void prefill_item_amx(const prefill_item *it, const char *q, const kvf_kv
                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
                              int64_t window, float scale, float softcap, int64_t G, int32_t *qt, float *acc,
                              uint16_t *kbuf, int32_t *vx) {
-    const char *k_cache = K->data, *v_cache = V->data;
-    const size_t k_row = (size_t)K->row_bytes, v_row = (size_t)V->row_bytes;
-    const size_t k_off = (size_t)(it->kv_head * K->head_bytes), v_off = (size_t)(it->kv_head * V->head_bytes);
-    const int dense_k = K->code == KVF_BF16 && K->gran == KVF_SCALE_NONE;
-    const int dense_v = V->code == KVF_BF16 && V->gran == KVF_SCALE_NONE;
-    const int q8_k = q8_reads(K, KVF_BF16), q8_v = q8_reads(V, KVF_BF16);
     const int64_t nt = it->t1 - it->t0, nv = nt * G, ngroups = (nv + 15) / 16;
-    float kdec[64] __attribute__((aligned(64)));
     float sbuf[256] __attribute__((aligned(64)));
     uint16_t pbuf[256] __attribute__((aligned(64)));
     int32_t pos[48] __attribute__((aligned(64)));
@@ -2040,61 +2061,14 @@ static void prefill_item_amx(const prefill_item *it, const char *q, const kvf_kv
     memset(acc, 0, sizeof(float) * ngroups * 1024);
     __m512 mrun[3], lrun[3];
     int32_t gmin[3], gmax[3];
-    for (int64_t grp = 0; grp < ngroups; grp++) {
-        mrun[grp] = _mm512_set1_ps(-INFINITY);
-        lrun[grp] = _mm512_setzero_ps();
-        gmin[grp] = pos[grp * 16];
-        const int64_t last = grp * 16 + 15 < nv - 1 ? grp * 16 + 15 : nv - 1;
-        gmax[grp] = pos[last];
-    }
+    lanes_groups_init(pos, nv, ngroups, mrun, lrun, gmin, gmax);
     prefill_amx_configure();
     const int64_t p_first = start + it->t0, p_last = start + it->t1 - 1;
     const int64_t kmin = window > 0 && p_first - window + 1 > 0 ? p_first - window + 1 : 0;
     for (int64_t kb = kmin; kb <= p_last; kb += 16) {
         const int cnt = p_last - kb + 1 < 16 ? (int)(p_last - kb + 1) : 16;
-        __m512i rows[16][2];
-        for (int r = 0; r < 16; r++) {
-            uint16_t *dst = kbuf + r * 64;
-            if (r >= cnt) {
-                _mm512_store_si512(dst, _mm512_setzero_si512());
-                _mm512_store_si512(dst + 32, _mm512_setzero_si512());
-                rows[r][0] = rows[r][1] = _mm512_setzero_si512();
-                continue;
-            }
-            const int64_t key = kb + r, slot = table[key / BS] * BS + key % BS;
-            if (dense_k) {
-                const char *kp = k_cache + slot * k_row + k_off;
-                _mm512_store_si512(dst, _mm512_loadu_si512(kp));
-                _mm512_store_si512(dst + 32, _mm512_loadu_si512(kp + 64));
-            } else if (q8_k) {
-                __m512i lo, hi;
-                q8_row_bf16(K, slot, it->kv_head, &lo, &hi);
-                _mm512_store_si512(dst, lo);
-                _mm512_store_si512(dst + 32, hi);
-            } else { /* decoded values are bf16 values: back to bf16 exactly */
-                const float *x = kv_row(kdec, K, slot, it->kv_head, 64, BS, KVF_BF16);
-                _mm512_store_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x)));
-                _mm512_store_si512(dst + 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32)));
-            }
-            if (dense_v) {
-                const char *vp = v_cache + slot * v_row + v_off;
-                rows[r][0] = _mm512_loadu_si512(vp);
-                rows[r][1] = _mm512_loadu_si512(vp + 64);
-            } else if (q8_v) {
-                q8_row_bf16(V, slot, it->kv_head, &rows[r][0], &rows[r][1]);
-            } else {
-                const float *x = kv_row(kdec, V, slot, it->kv_head, 64, BS, KVF_BF16);
-                rows[r][0] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
-                rows[r][1] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 48), _mm512_loadu_ps(x + 32));
-            }
-        }
-        /* V as pairs of adjacent keys, as `prefill_item_bf16` lays them: row j of tile c at vx + (4j + c) * 16 */
-        for (int j = 0; j < 8; j++) {
-            _mm512_store_si512(vx + (4 * j) * 16, _mm512_unpacklo_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
-            _mm512_store_si512(vx + (4 * j + 1) * 16, _mm512_unpackhi_epi16(rows[2 * j][0], rows[2 * j + 1][0]));
-            _mm512_store_si512(vx + (4 * j + 2) * 16, _mm512_unpacklo_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
-            _mm512_store_si512(vx + (4 * j + 3) * 16, _mm512_unpackhi_epi16(rows[2 * j][1], rows[2 * j + 1][1]));
-        }
+        const int32_t *kd[16]; /* all into kbuf: the A tiles' 16 rows, missing keys zero */
+        block_rows_bf16(K, V, table, BS, it->kv_head, kb, cnt, 1, kd, kbuf, NULL, vx);
         _tile_loadd(1, kbuf, 128);
         _tile_loadd(2, kbuf + 32, 128);
         for (int64_t grp = 0; grp < ngroups; grp++) {

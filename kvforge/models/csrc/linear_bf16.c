@@ -289,6 +289,8 @@ static int measured_mode(void) {
  * tiles to fp32 rounding, not bit for bit. Linux grants the tile state per process
  * (arch_prctl ARCH_REQ_XCOMP_PERM); where it refuses, the vector tiles run. */
 #define AMX_MC 256
+/* The tile configuration and the permission request are the same few lines as paged_decode.c's (each
+ * source builds alone into its own library, cached by its own hash, so no shared header). */
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
     uint16_t colsb[16];
@@ -395,7 +397,8 @@ static int gemm_mode = -1; /* -1: not chosen yet; 0: vdpbf16ps tiles; 1: FMA til
 static int vector_mode = -1; /* the faster vector tile, measured once: 0 vdpbf16ps, 1 FMA */
 
 /* Which vector tile this CPU runs faster (0 vdpbf16ps, 1 fp32 FMA), measured once; 0 without the SIMD path.
- * Why apart from the GEMM mode: the attention kernel's bf16 prefill has no AMX path and follows this. */
+ * Why apart from the GEMM mode: calls the AMX tiles cannot take (K not whole 16-pair blocks) run this one,
+ * and so does the attention kernel's vector bf16 prefill where AMX is off. */
 int kvf_panel_bf16_fma_faster(void) {
 #if KVF_SIMD
     if (vector_mode < 0) vector_mode = measured_mode();
@@ -415,7 +418,7 @@ int kvf_panel_bf16_gemm_mode(void) {
 /* Force the GEMM tile (0, 1, or 2 where AMX runs; -1 chooses again). Why: A/B benchmarks and tests of
  * every path. Returns the mode now in use (AMX asked for where it cannot run leaves the choice as it was). */
 int kvf_panel_bf16_set_gemm_mode(int mode) {
-    if (mode == 2 && !kvf_panel_bf16_amx()) return kvf_panel_bf16_gemm_mode();
+    if (mode >= 2 && !kvf_panel_bf16_amx()) return kvf_panel_bf16_gemm_mode();
     gemm_mode = mode < 0 ? -1 : (mode > 2 ? 2 : mode);
     return kvf_panel_bf16_gemm_mode();
 }
@@ -460,17 +463,20 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     /* the FMA tiles read x widened to fp32 once: [M][2 x K2] floats, the odd K's pad a zero */
     float *xf = NULL;
 #if KVF_SIMD
-    const int mode = M > MR ? kvf_panel_bf16_gemm_mode() : 0;
+    int mode = M > MR ? kvf_panel_bf16_gemm_mode() : 0;
 #if KVF_AMX
     /* AMX: whole 16-pair k blocks only (every shape of the default model); the last M % 16 rows zero-padded */
-    const int amx = mode == 2 && K2 % 16 == 0;
+    int amx = mode == 2 && K2 % 16 == 0;
     uint32_t *tail = NULL;
     if (amx && M % 16) {
         tail = (uint32_t *)calloc((size_t)(16 * K2), sizeof(uint32_t));
-        if (!tail) return;
-        memcpy(tail, xp + (M - M % 16) * K2, (size_t)((M % 16) * K2) * sizeof(uint32_t));
+        if (tail) memcpy(tail, xp + (M - M % 16) * K2, (size_t)((M % 16) * K2) * sizeof(uint32_t));
+        else amx = 0; /* no memory for the padded rows: the vector tiles need none */
     }
+#else
+    const int amx = 0;
 #endif
+    if (mode == 2 && !amx) mode = kvf_panel_bf16_fma_faster(); /* AMX cannot take this call: the faster vector tile */
     if (mode == 1) {
         xf = (float *)aligned_alloc(64, (size_t)((M * 2 * K2 * sizeof(float) + 63) / 64 * 64));
         if (xf) {
