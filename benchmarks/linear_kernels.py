@@ -22,6 +22,14 @@ stream, 128-token prompt) loaded twice, with KVFORGE_LINEAR=onednn and =panel,
 decode steps timed in turn (best of `--rounds`), per thread count.
 
     python benchmarks/linear_kernels.py --decode --threads 1 2
+
+`--step` times what a batch's decode step asks of the fp32 panel kernel: every layer linear of the
+default model's 30 layers (distinct weights, 425 MB, so they stream from DRAM) plus lm_head (113 MB),
+at 1 to 128 rows, against the two floors: the weights at the machine's read bandwidth (measured here)
+and the FLOPs at the best rate the same calls reach with the weights in cache. Build variants are
+compared by running it once per `KVFORGE_EXTRA_CFLAGS` (e.g. `-DKVF_GEMM_PREFETCH_EVEN=0`).
+
+    python benchmarks/linear_kernels.py --step [--save FILE]
 """
 from __future__ import annotations
 
@@ -195,6 +203,69 @@ def decode_onednn_vs_panel(threads: list[int], tokens: int = 64, rounds: int = 3
               f"speed-up {best['onednn'] / best['panel']:.2f}x", flush=True)
 
 
+STEP_ROWS = (1, 4, 8, 16, 24, 32, 48, 64, 128)
+
+
+def read_bandwidth_gbs(mib: int = 1024) -> float:
+    """Best of 3 sums of a buffer far larger than the caches: the machine's DRAM read rate."""
+    buf = torch.ones(mib * 1024 * 1024 // 4)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
+def min_seconds(fn, rounds: int) -> float:  # type: ignore[no-untyped-def]
+    """Best of `rounds` timed calls, after one untimed call (kernel build, first touch)."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def decode_step_linears(threads: list[int], rounds: int = 3) -> None:
+    from kvforge.models import panel_linear as pl
+
+    if not pl.available():
+        raise SystemExit(f"panel kernel unavailable: {pl.unavailable_reason()}")
+    torch.manual_seed(0)
+    layer = [SHAPES[n] for n in ("qkv", "o_proj", "gate_up", "down")]
+    weights = [[pl.pack_panels(torch.randn(n, k)) for n, k in layer] for _ in range(30)]
+    head = pl.pack_panels(torch.randn(*SHAPES["lm_head"]))
+    nbytes = sum(w.nbytes for ws in weights for w in ws) + head.nbytes
+    params = sum(n * k for n, k in layer) * 30 + SHAPES["lm_head"][0] * SHAPES["lm_head"][1]
+    extra = os.environ.get("KVFORGE_EXTRA_CFLAGS", "")
+    print(f"fp32 panel kernel, one decode step's linears: 30 layers x (qkv, o_proj, gate_up, down) + lm_head, "
+          f"{nbytes / 1e6:.0f} MB of weights; KVFORGE_EXTRA_CFLAGS={extra!r}")
+    for t in threads:
+        torch.set_num_threads(t)
+        bw = read_bandwidth_gbs()
+        print(f"\n{t} thread(s): read bandwidth {bw:.1f} GB/s -> memory floor {nbytes / bw / 1e6:.1f} ms a step; "
+              "floor = max(memory floor, FLOPs at the cached rate)")
+        print(f"{'rows':>5} {'step ms':>8} {'GB/s':>6} {'GFLOP/s':>8} {'cached GFLOP/s':>15} {'floor ms':>9} {'x floor':>8}")
+        for m in STEP_ROWS:
+            xs = {k: torch.randn(m, k) for k in (576, 1536)}
+
+            def step(layers: list) -> None:  # noqa: ANN001
+                for ws in layers:
+                    for w in ws:
+                        pl.panel_linear(xs[w.k], w)
+
+            # the step out of DRAM; then the same calls on one layer's weights, in cache: the rate these rows reach
+            best = min_seconds(lambda: (step(weights), pl.panel_linear(xs[576], head)), rounds)
+            hot = min_seconds(lambda: step(weights[:1] * 30), rounds)
+            hot_rate = 2 * m * sum(n * k for n, k in layer) * 30 / hot / 1e9
+            flops = 2 * m * params
+            floor = max(nbytes / (bw * 1e9), flops / (hot_rate * 1e9)) * 1e3
+            print(f"{m:>5} {best * 1e3:>8.2f} {nbytes / best / 1e9:>6.1f} {flops / best / 1e9:>8.0f} "
+                  f"{hot_rate:>15.0f} {floor:>9.1f} {best * 1e3 / floor:>7.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--panel", action="store_true", help="panel kernel vs oneDNN packed (instead of torch vs oneDNN)")
@@ -204,6 +275,8 @@ def main() -> None:
                         help="--panel: weight dtype (bfloat16: the AVX512-BF16 decode kernel, 1-16 rows)")
     parser.add_argument("--bf16-gemm", action="store_true",
                         help="the bf16 panel kernel's GEMM tiles: vdpbf16ps vs fp32 FMAs vs AMX (KVFORGE_BF16_GEMM)")
+    parser.add_argument("--step", action="store_true",
+                        help="fp32: one decode step's linears out of DRAM at 1-128 rows, against its floors")
     parser.add_argument("--save", type=Path, help="also write the output to this file")
     args = parser.parse_args()
     if not ONEDNN_LINEAR:
@@ -216,7 +289,9 @@ def main() -> None:
             return out.write(s)
 
     with redirect_stdout(Tee()):
-        if args.bf16_gemm:
+        if args.step:
+            decode_step_linears(args.threads)
+        elif args.bf16_gemm:
             bf16_gemm_tiles(args.threads)
         elif args.decode:
             decode_onednn_vs_panel(args.threads)

@@ -48,6 +48,20 @@ def test_large_m_crosses_row_blocks():
     _check(13, 20, 700, bias=True)  # K cut in blocks of 256 with a 188 remainder
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the AVX-512 GEMM tiles")
+def test_gemm_rows_do_not_depend_on_their_tile():
+    """AVX-512 GEMM rows (M >= 4) are copied into tiles of 8 interleaved rows, the last one padded: a row's
+    output is the same bits whichever tile and slot it lands in, and whatever rows share its tile (the
+    AVX2 tiles treat a remainder of 1-3 rows as decode rows, which sum in another order)."""
+    torch.manual_seed(3)
+    for m, k, n in ((37, 131, 70), (5, 9, 16), (300, 576, 50)):
+        x, w = torch.randn(m, k), pl.pack_panels(torch.randn(n, k))
+        perm = torch.randperm(m)
+        full = pl.panel_linear(x, w)
+        assert torch.equal(pl.panel_linear(x[perm], w), full[perm])
+        assert torch.equal(pl.panel_linear(x[: m - 1], w), full[: m - 1])  # one row fewer: other padding
+
+
 def test_leading_dims_and_bad_input():
     w = pl.pack_panels(torch.randn(5, 8))
     x = torch.randn(2, 3, 8)

@@ -15,6 +15,7 @@
  * k-accumulation per column (results equal within fp32 rounding: FMA rounds once per step, mul+add twice).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -157,8 +158,12 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
  * columns) per panel and k: 8 x 3 = 24 accumulators + 3 weight lines + 1 broadcast = 28 of 32 zmm. Each
  * k's 3 weight lines serve 8 rows and each broadcast serves 48 columns, so the FMA ports, not the loads,
  * set the pace, and 24 independent chains cover the FMA latency. Full K per tile: the panel group
- * (3 x K x 64 B, <= 300 KB for K = 1536) stays in L2 while the row tiles pass over it. Measured against
- * oneDNN's packed fp32 kernels per shape and row count in benchmarks/linear_kernels.py --panel. */
+ * (3 x K x 64 B, <= 300 KB for K = 1536) stays in L2 while the row tiles pass over it. x is first copied
+ * into row tiles of GM interleaved rows (`pack_rows`): the tile then reads x as one stream off one pointer;
+ * read in place, the 8 row pointers and the prefetch bookkeeping outgrew the 16 general registers and the
+ * k loop reloaded pointers from the stack (the tile alone: 157 -> 185 GFLOP/s on one Xeon core). The
+ * order of the k sums is unchanged, so y is bitwise the same. Measured against oneDNN's packed fp32
+ * kernels per shape and row count in benchmarks/linear_kernels.py --panel. */
 #define GM 8
 #define GP 3
 #define GEMM512_MIN 4
@@ -170,33 +175,57 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
 #define GEMM_X_BYTES (512 * 1024)
 #endif
 /* Software pipelining of the weights: while the row tiles of one panel group multiply (from L2), they
- * prefetch the next group into L2, each tile an equal share of its lines spread over its k loop. Why: a
- * batch's decode step (16-64 rows) is neither compute- nor memory-bound alone: without it the first row
- * tile of each group waits on DRAM and the later ones leave the memory bus idle. */
+ * prefetch the next group into L2, each tile an equal share of its lines. Why: a batch's decode step
+ * (16-64 rows) is neither compute- nor memory-bound alone: without it the first row tile of each group
+ * waits on DRAM and the later ones leave the memory bus idle. How the share is issued depends on the
+ * number of row tiles (measured on a 2-core Xeon, a decode step's linears out of DRAM, default model):
+ *  - 4 to 16 tiles (25-128 rows): evenly over the tile's k loop. Issued up front, the prefetches held the
+ *    core's few L1 miss buffers that the tile's own weight loads (L2 hits) need: 32-128 rows took 6-10%
+ *    less time spread evenly;
+ *  - fewer tiles: one to three lines a k step from the first step. Each tile then carries a whole K of
+ *    lines or more, and the earlier they start the better (spread evenly, 16 rows took 5% longer);
+ *  - more tiles (prefill chunks): the same up-front issue, a few lines a tile (spread was 2-4% slower).
+ * Tested branches, not an inner loop: a loop's bookkeeping per k cost the tile more than it hid.
+ * KVF_GEMM_PREFETCH_EVEN=0 issues every share up front (the A/B in benchmarks/linear_kernels.py --step). */
 #ifndef KVF_GEMM_PREFETCH
 #define KVF_GEMM_PREFETCH 1
 #endif
+#ifndef KVF_GEMM_PREFETCH_EVEN
+#define KVF_GEMM_PREFETCH_EVEN 1
+#endif
 
-static inline __attribute__((always_inline)) void gemm512_tile(const float *x, int64_t ldx, int64_t K,
+static inline __attribute__((always_inline)) void gemm512_tile(const float *xp, int64_t K,
                                                                const float *w, int64_t pstride, int mr, int np,
                                                                float *y, int64_t N, int64_t n0,
-                                                               const float *bias, const char *pf, int64_t npf) {
+                                                               const float *bias, const char *pf, int64_t npf,
+                                                               int even) {
     __m512 acc[GM][GP];
 #pragma GCC unroll 8
     for (int r = 0; r < GM; r++)
 #pragma GCC unroll 3
         for (int p = 0; p < GP; p++) acc[r][p] = _mm512_setzero_ps();
-    const int64_t per_k = (npf + K - 1) / K; /* prefetched lines per k: 0 to 3 */
+    const float *w1 = w + pstride, *w2 = w + 2 * pstride;
+    int64_t due = 0; /* even spacing: npf lines over K steps, Bresenham-style */
+    const char *pnext = pf;
     for (int64_t k = 0; k < K; k++) {
 #if KVF_GEMM_PREFETCH
-        for (int64_t j = k * per_k; j < (k + 1) * per_k && j < npf; j++) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
+        if (!even) {
+            if (k < npf) _mm_prefetch(pf + 64 * k, _MM_HINT_T1);
+            if (k + K < npf) _mm_prefetch(pf + 64 * (k + K), _MM_HINT_T1);
+            if (k + 2 * K < npf) _mm_prefetch(pf + 64 * (k + 2 * K), _MM_HINT_T1);
+        } else if ((due += npf) >= K) {
+            _mm_prefetch(pnext, _MM_HINT_T1);
+            pnext += 64;
+            due -= K;
+        }
 #endif
         __m512 wv[GP];
-#pragma GCC unroll 3
-        for (int p = 0; p < np; p++) wv[p] = _mm512_loadu_ps(w + p * pstride + k * NR);
+        wv[0] = _mm512_loadu_ps(w + k * NR);
+        if (np > 1) wv[1] = _mm512_loadu_ps(w1 + k * NR);
+        if (np > 2) wv[2] = _mm512_loadu_ps(w2 + k * NR);
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
-            const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+            const __m512 a = _mm512_set1_ps(xp[k * GM + r]);
 #pragma GCC unroll 3
             for (int p = 0; p < np; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);
         }
@@ -214,10 +243,10 @@ static inline __attribute__((always_inline)) void gemm512_tile(const float *x, i
 }
 
 /* One specialised copy per (rows, panels), so every accumulator loop is unrolled into registers. */
-static void gemm512_block(const float *x, int64_t ldx, int64_t K, const float *w, int64_t pstride, int mr, int np,
-                          float *y, int64_t N, int64_t n0, const float *bias, const char *pf, int64_t npf) {
+static void gemm512_block(const float *xp, int64_t K, const float *w, int64_t pstride, int mr, int np,
+                          float *y, int64_t N, int64_t n0, const float *bias, const char *pf, int64_t npf, int even) {
 #define KVF_GEMM_CASE(R, P) \
-    case (R) * 4 + (P): gemm512_tile(x, ldx, K, w, pstride, R, P, y, N, n0, bias, pf, npf); break;
+    case (R) * 4 + (P): gemm512_tile(xp, K, w, pstride, R, P, y, N, n0, bias, pf, npf, even); break;
 #define KVF_GEMM_ROW(R) KVF_GEMM_CASE(R, 1) KVF_GEMM_CASE(R, 2) KVF_GEMM_CASE(R, 3)
     switch (mr * 4 + np) {
         KVF_GEMM_ROW(1) KVF_GEMM_ROW(2) KVF_GEMM_ROW(3) KVF_GEMM_ROW(4)
@@ -226,6 +255,52 @@ static void gemm512_block(const float *x, int64_t ldx, int64_t K, const float *w
     }
 #undef KVF_GEMM_ROW
 #undef KVF_GEMM_CASE
+}
+
+/* x rows [i, i + mr) as one tile of GM interleaved rows, xp[k * GM + r] (rows past mr are zeros): the tile
+ * then reads one sequential stream of x with one pointer, where 8 row pointers spilled out of registers. */
+static void pack_rows(const float *x, int64_t K, int mr, float *xp) {
+    int64_t k = 0;
+    if (mr == GM) {
+        for (; k + 8 <= K; k += 8) {
+            __m256 r0 = _mm256_loadu_ps(x + 0 * K + k), r1 = _mm256_loadu_ps(x + 1 * K + k);
+            __m256 r2 = _mm256_loadu_ps(x + 2 * K + k), r3 = _mm256_loadu_ps(x + 3 * K + k);
+            __m256 r4 = _mm256_loadu_ps(x + 4 * K + k), r5 = _mm256_loadu_ps(x + 5 * K + k);
+            __m256 r6 = _mm256_loadu_ps(x + 6 * K + k), r7 = _mm256_loadu_ps(x + 7 * K + k);
+            __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+            __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+            __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+            __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *o = xp + k * GM;
+            _mm256_storeu_ps(o + 0 * GM, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(o + 1 * GM, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(o + 2 * GM, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(o + 3 * GM, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(o + 4 * GM, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(o + 5 * GM, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(o + 6 * GM, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(o + 7 * GM, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+    }
+    for (; k < K; k++)
+        for (int r = 0; r < GM; r++) xp[k * GM + r] = r < mr ? x[r * K + k] : 0.0f;
+}
+
+/* This thread's packing buffer, kept between calls (OpenMP threads persist) and grown as needed. */
+static float *pack_buffer(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (floats > cap) {
+        free(buf);
+        cap = floats;
+        buf = (float *)aligned_alloc(64, (size_t)((cap * (int64_t)sizeof(float) + 63) / 64 * 64));
+        if (!buf) cap = 0;
+    }
+    return buf;
 }
 #endif
 
@@ -254,9 +329,12 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
             /* rows in chunks whose x fits in L2 beside the panel group (see GEMM_X_BYTES) */
             int64_t mc = GEMM_X_BYTES > 0 ? GEMM_X_BYTES / (K * (int64_t)sizeof(float)) : M;
             mc = mc < 4 * GM ? 4 * GM : mc - mc % GM;
-            for (int64_t m0 = 0; m0 < M; m0 += mc) {
+            float *xp = pack_buffer(((mc < M ? mc : M) + GM) * K); /* NULL: no memory, the AVX2 loop runs */
+            for (int64_t m0 = 0; m0 < M && xp; m0 += mc) {
                 const int64_t me = m0 + mc < M ? m0 + mc : M;
                 const int64_t tiles = (me - m0 + GM - 1) / GM;
+                for (int64_t i = m0, t = 0; i < me; i += GM, t++)
+                    pack_rows(x + i * K, K, (int)(me - i < GM ? me - i : GM), xp + t * GM * K);
                 for (int64_t p = p0; p < p1; p += GP) {
                     const int np = (int)(p1 - p < GP ? p1 - p : GP);
                     /* the next panel group (contiguous: panels lie one after another), its lines shared out
@@ -267,12 +345,13 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
                     for (int64_t i = m0, t = 0; i < me; i += GM, t++) {
                         const int mr = (int)(me - i < GM ? me - i : GM);
                         const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
-                        gemm512_block(x + i * K, K, K, wp + p * panel_floats, panel_floats, mr, np, y + i * N, N,
-                                      p * NR, bias, pf + 64 * l0, l1 - l0);
+                        gemm512_block(xp + t * GM * K, K, wp + p * panel_floats, panel_floats, mr, np, y + i * N, N,
+                                      p * NR, bias, pf + 64 * l0, l1 - l0,
+                                      KVF_GEMM_PREFETCH_EVEN && tiles >= 4 && tiles <= 16);
                     }
                 }
             }
-            p1 = p0; /* done: skip the AVX2 loop below */
+            if (xp) p1 = p0; /* done: skip the AVX2 loop below */
         }
 #endif
         float out[MR * NR];
