@@ -154,7 +154,7 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
 #define KC 256
 
 #if KVF_SIMD && defined(__AVX512F__)
-/* GEMM rows on AVX-512 (M >= GEMM512_MIN): a register tile of up to GM rows x GP panels, one zmm (16
+/* Rows on AVX-512 (M >= GEMM512_MIN): a register tile of up to GM rows x GP panels, one zmm (16
  * columns) per panel and k: 8 x 3 = 24 accumulators + 3 weight lines + 1 broadcast = 28 of 32 zmm. Each
  * k's 3 weight lines serve 8 rows and each broadcast serves 48 columns, so the FMA ports, not the loads,
  * set the pace, and 24 independent chains cover the FMA latency. Full K per tile: the panel group
@@ -166,7 +166,14 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
  * kernels per shape and row count in benchmarks/linear_kernels.py --panel. */
 #define GM 8
 #define GP 3
-#define GEMM512_MIN 4
+/* Every row count takes these tiles, decode rows (1-3) included: on the 2-core AMX Xeon their 1-row tile
+ * read the weights at ~29 GB/s where the AVX2 decode tile below (even/odd k accumulators, its own prefetch
+ * distance) reached ~22: one decode step's linears out of DRAM 24.0 -> 18.6 ms at 1 row, 21.2 -> 18.8 at 2,
+ * and single-stream fp32 decode of the default model 38-39 -> 48-50 tok/s. -DGEMM512_MIN=4 gives the old
+ * split for an A/B; CPUs without AVX-512 keep the AVX2 tiles. */
+#ifndef GEMM512_MIN
+#define GEMM512_MIN 1
+#endif
 /* Rows per pass over the thread's panels, as x bytes: a prefill chunk's x (1,024 rows x K floats: 2.4 MB
  * at K = 576, 6.3 MB at 1,536) does not fit in L2, and every panel group re-read all of it from L3 or
  * DRAM; in chunks of ~GEMM_X_BYTES the chunk stays in L2 while the weights are re-read once a chunk
