@@ -23,13 +23,14 @@ decode steps timed in turn (best of `--rounds`), per thread count.
 
     python benchmarks/linear_kernels.py --decode --threads 1 2
 
-`--step` times what a batch's decode step asks of the fp32 panel kernel: every layer linear of the
-default model's 30 layers (distinct weights, 425 MB, so they stream from DRAM) plus lm_head (113 MB),
+`--step` times what a batch's decode step asks of the panel kernel (fp32, or bf16 with `--dtype`): every
+layer linear of the default model's 30 layers (distinct weights, 425 MB in fp32, so they stream from DRAM)
+plus lm_head (113 MB),
 at 1 to 128 rows, against the two floors: the weights at the machine's read bandwidth (measured here)
 and the FLOPs at the best rate the same calls reach with the weights in cache. Build variants are
 compared by running it once per `KVFORGE_EXTRA_CFLAGS` (e.g. `-DKVF_GEMM_PREFETCH_EVEN=0`).
 
-    python benchmarks/linear_kernels.py --step [--save FILE]
+    python benchmarks/linear_kernels.py --step [--dtype bfloat16] [--save FILE]
 """
 from __future__ import annotations
 
@@ -228,19 +229,19 @@ def min_seconds(fn, rounds: int) -> float:  # type: ignore[no-untyped-def]
     return min(times)
 
 
-def decode_step_linears(threads: list[int], rounds: int = 3) -> None:
+def decode_step_linears(threads: list[int], dtype: torch.dtype = torch.float32, rounds: int = 3) -> None:
     from kvforge.models import panel_linear as pl
 
-    if not pl.available():
-        raise SystemExit(f"panel kernel unavailable: {pl.unavailable_reason()}")
+    if not pl.available(dtype):
+        raise SystemExit(f"panel kernel unavailable: {pl.unavailable_reason(dtype)}")
     torch.manual_seed(0)
     layer = [SHAPES[n] for n in ("qkv", "o_proj", "gate_up", "down")]
-    weights = [[pl.pack_panels(torch.randn(n, k)) for n, k in layer] for _ in range(30)]
-    head = pl.pack_panels(torch.randn(*SHAPES["lm_head"]))
+    weights = [[pl.pack_panels(torch.randn(n, k).to(dtype)) for n, k in layer] for _ in range(30)]
+    head = pl.pack_panels(torch.randn(*SHAPES["lm_head"]).to(dtype))
     nbytes = sum(w.nbytes for ws in weights for w in ws) + head.nbytes
     params = sum(n * k for n, k in layer) * 30 + SHAPES["lm_head"][0] * SHAPES["lm_head"][1]
     extra = os.environ.get("KVFORGE_EXTRA_CFLAGS", "")
-    print(f"fp32 panel kernel, one decode step's linears: 30 layers x (qkv, o_proj, gate_up, down) + lm_head, "
+    print(f"{dtype} panel kernel, one decode step's linears: 30 layers x (qkv, o_proj, gate_up, down) + lm_head, "
           f"{nbytes / 1e6:.0f} MB of weights; KVFORGE_EXTRA_CFLAGS={extra!r}")
     for t in threads:
         torch.set_num_threads(t)
@@ -249,7 +250,7 @@ def decode_step_linears(threads: list[int], rounds: int = 3) -> None:
               "floor = max(memory floor, FLOPs at the cached rate)")
         print(f"{'rows':>5} {'step ms':>8} {'GB/s':>6} {'GFLOP/s':>8} {'cached GFLOP/s':>15} {'floor ms':>9} {'x floor':>8}")
         for m in STEP_ROWS:
-            xs = {k: torch.randn(m, k) for k in (576, 1536)}
+            xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
 
             def step(layers: list) -> None:  # noqa: ANN001
                 for ws in layers:
@@ -272,11 +273,11 @@ def main() -> None:
     parser.add_argument("--decode", action="store_true", help="end to end: default model decode, oneDNN vs panel")
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="--panel: weight dtype (bfloat16: the AVX512-BF16 decode kernel, 1-16 rows)")
+                        help="--panel, --step: weight dtype (bfloat16: the AVX512-BF16 kernel)")
     parser.add_argument("--bf16-gemm", action="store_true",
                         help="the bf16 panel kernel's GEMM tiles: vdpbf16ps vs fp32 FMAs vs AMX (KVFORGE_BF16_GEMM)")
     parser.add_argument("--step", action="store_true",
-                        help="fp32: one decode step's linears out of DRAM at 1-128 rows, against its floors")
+                        help="one decode step's linears out of DRAM at 1-128 rows, against its floors (--dtype)")
     parser.add_argument("--save", type=Path, help="also write the output to this file")
     args = parser.parse_args()
     if not ONEDNN_LINEAR:
@@ -290,7 +291,7 @@ def main() -> None:
 
     with redirect_stdout(Tee()):
         if args.step:
-            decode_step_linears(args.threads)
+            decode_step_linears(args.threads, getattr(torch, args.dtype))
         elif args.bf16_gemm:
             bf16_gemm_tiles(args.threads)
         elif args.decode:

@@ -11,11 +11,12 @@
  *
  * Accumulation is in fp32 and the result is rounded to bf16 once (round to nearest even), as oneDNN does.
  * Threads split the panels statically. N is padded to whole panels and K to an even count with zeros in
- * the packed weight; only the first N columns are written. Any M >= 1: up to MR rows go in decode tiles
- * that stream each panel once; more rows (prefill chunks, a batch's decode steps) in GEMM tiles of 8 rows
- * x 3 panels (below), which beat oneDNN's packed bf16 kernels from 5 to 1,024 rows on this project's
- * shapes on the AVX-512 CPUs without AMX measured here (benchmarks/linear_kernels.py --panel --dtype
- * bfloat16); where the CPU has AMX, AMX tiles on the same layout (amx_gemm) run those rows instead.
+ * the packed weight; only the first N columns are written. Any M >= 1 goes in GEMM tiles of 8 rows x 3
+ * panels (below; decode rows too, see BF16_GEMM_MIN), which beat oneDNN's packed bf16 kernels from 5 to
+ * 1,024 rows on this project's shapes on the AVX-512 CPUs without AMX measured here
+ * (benchmarks/linear_kernels.py --panel --dtype bfloat16); where the CPU has AMX, AMX tiles on the same
+ * layout (amx_gemm) run more than MR rows instead. The decode tile (up to MR rows, one panel at a time)
+ * serves -DBF16_GEMM_MIN=5 builds and the plain-C build.
  *
  * AVX512-BF16 intrinsics where the compiler targets them; otherwise a plain-C loop over the same layout
  * (bf16 -> fp32 by a 16-bit shift, fp32 multiply-add), so the layout and the results hold on any CPU.
@@ -125,6 +126,15 @@ static void tile(const uint32_t *x, int64_t ldx, int64_t K2, const uint16_t *w, 
  * a batch's decode step then overlaps its weight reads with its arithmetic. */
 #ifndef KVF_GEMM_PREFETCH
 #define KVF_GEMM_PREFETCH 1
+#endif
+/* Rows from which the GEMM tiles run, in the kind measured at load (AMX, vdpbf16ps or fp32 FMAs). Decode
+ * rows (1-4) take them too: on the 2-core AMX Xeon the tiles' next-group prefetch read one decode step's
+ * weights (269 MB) at ~26-28 GB/s where the decode tile below, one panel at a time without it, reached
+ * ~16-22: the step's linears 12.1-13.5 -> 9.6-9.8 ms at 1 row, 17.1 -> 10.4 at 4 (AMX; 12.8 on the dot
+ * tiles). -DBF16_GEMM_MIN=5 gives the old split for an A/B; builds without AVX512-BF16 keep the plain-C
+ * tile. */
+#ifndef BF16_GEMM_MIN
+#define BF16_GEMM_MIN 1
 #endif
 
 static inline __attribute__((always_inline)) __m256i round_bf16x16(__m512 v) {
@@ -463,7 +473,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     /* the FMA tiles read x widened to fp32 once: [M][2 x K2] floats, the odd K's pad a zero */
     float *xf = NULL;
 #if KVF_SIMD
-    int mode = M > MR ? kvf_panel_bf16_gemm_mode() : 0;
+    int mode = M >= BF16_GEMM_MIN ? kvf_panel_bf16_gemm_mode() : 0;
 #if KVF_AMX
     /* AMX: whole 16-pair k blocks only (every shape of the default model); the last M % 16 rows zero-padded */
     int amx = mode == 2 && K2 % 16 == 0;
@@ -507,7 +517,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
         }
 #endif
 #if KVF_SIMD
-        if (M > MR && p1 > p0) { /* more rows than a decode tile: GEMM tiles */
+        if (M >= BF16_GEMM_MIN && p1 > p0) { /* GEMM tiles (every row count by default, see BF16_GEMM_MIN) */
             const int64_t tiles = (M + GM - 1) / GM;
             for (int64_t p = p0; p < p1; p += GP) {
                 const int np = (int)(p1 - p < GP ? p1 - p : GP);
