@@ -51,8 +51,8 @@ def test_large_m_crosses_row_blocks():
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the AVX-512 GEMM tiles")
 def test_gemm_rows_do_not_depend_on_their_tile():
     """AVX-512 GEMM rows (M >= 4) are copied into tiles of 8 interleaved rows, the last one padded: a row's
-    output is the same bits whichever tile and slot it lands in, and whatever rows share its tile (the
-    AVX2 tiles treat a remainder of 1-3 rows as decode rows, which sum in another order)."""
+    output is the same bits whichever tile and slot it lands in, and whatever rows share its tile or call,
+    down to a call of one row (the AVX2 tiles treat 1-3 rows as decode rows, which sum in another order)."""
     torch.manual_seed(3)
     for m, k, n in ((37, 131, 70), (5, 9, 16), (300, 576, 50)):
         x, w = torch.randn(m, k), pl.pack_panels(torch.randn(n, k))
@@ -60,6 +60,10 @@ def test_gemm_rows_do_not_depend_on_their_tile():
         full = pl.panel_linear(x, w)
         assert torch.equal(pl.panel_linear(x[perm], w), full[perm])
         assert torch.equal(pl.panel_linear(x[: m - 1], w), full[: m - 1])  # one row fewer: other padding
+        # decode rows (1-3) take the same tiles: a row alone gives the bits it gives inside a batch
+        for i in (0, m // 2, m - 1):
+            assert torch.equal(pl.panel_linear(x[i : i + 1], w), full[i : i + 1])
+        assert torch.equal(pl.panel_linear(x[:3], w), full[:3])
 
 
 def test_leading_dims_and_bad_input():

@@ -1849,10 +1849,11 @@ static void lanes_queries(const prefill_item *it, const char *q, int64_t row0, i
     }
 }
 
-/* The lanes layout's output, stored as `code`: vector v's dim is acc_t[grp][idx][lane] / l[lane], idx = dim
- * or (`permuted`) the unpack order of `prefill_item_bf16`. */
+/* The lanes layout's output, stored as `code`: vector v's dim is acc_t[grp][idx][lane] / l[lane] (or, with
+ * `lane_major`, acc_t[grp][lane][idx]: the AMX loop's C tiles), idx = dim or (`permuted`) the unpack order
+ * of `prefill_item_bf16`. */
 static void lanes_store(const prefill_item *it, char *out, int64_t row0, int64_t H, int64_t G, const float *acc_t,
-                        const __m512 *lrun, int code, int permuted) {
+                        const __m512 *lrun, int code, int permuted, int lane_major) {
     const int64_t nv = (it->t1 - it->t0) * G, ngroups = (nv + 15) / 16;
     const size_t esz = code == KVF_F32 ? 4 : 2;
     for (int64_t grp = 0; grp < ngroups; grp++) {
@@ -1865,7 +1866,7 @@ static void lanes_store(const prefill_item *it, char *out, int64_t row0, int64_t
             for (int d = 0; d < 64; d++) {
                 const int c = d / 16, L = d % 16;
                 const int dim = !permuted ? d : 32 * (c / 2) + 8 * (L / 4) + 4 * (c % 2) + L % 4;
-                row[dim] = ag[d * 16 + lane] * linv[lane];
+                row[dim] = ag[lane_major ? lane * 64 + d : d * 16 + lane] * linv[lane];
             }
             store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * esz, row, 64, code);
         }
@@ -2008,7 +2009,7 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
             }
         }
     }
-    lanes_store(it, out, row0, H, G, acc_t, lrun, KVF_BF16, 1);
+    lanes_store(it, out, row0, H, G, acc_t, lrun, KVF_BF16, 1, 0);
 }
 #endif
 
@@ -2107,22 +2108,8 @@ static void prefill_item_amx(const prefill_item *it, const char *q, const kvf_kv
         }
     }
     _tile_release();
-    /* out: vector v's dim (c, L) -> 32(c/2) + 8(L/4) + 4(c%2) + L%4, the vx order, divided by its sum */
-    const size_t esz = 2;
-    for (int64_t grp = 0; grp < ngroups; grp++) {
-        float linv[16] __attribute__((aligned(64)));
-        _mm512_store_ps(linv, _mm512_div_ps(_mm512_set1_ps(1.f), lrun[grp]));
-        const float *ag = acc + grp * 1024;
-        for (int lane = 0; lane < 16 && grp * 16 + lane < nv; lane++) {
-            const int64_t v = grp * 16 + lane, tt = v / G, g = v % G;
-            float row[64];
-            for (int d = 0; d < 64; d++) {
-                const int c = d / 16, L = d % 16;
-                row[32 * (c / 2) + 8 * (L / 4) + 4 * (c % 2) + L % 4] = ag[lane * 64 + d] * linv[lane];
-            }
-            store_row(out + (((row0 + it->t0 + tt) * H + it->kv_head * G + g) * 64) * esz, row, 64, KVF_BF16);
-        }
-    }
+    /* out: C tiles hold each vector's dims lane-major, in the vx (unpack) order */
+    lanes_store(it, out, row0, H, G, acc, lrun, KVF_BF16, 1, 1);
 }
 #else
 #define KVF_PREFILL_AMX 0
@@ -2230,7 +2217,7 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
             }
         }
     }
-    lanes_store(it, out, row0, H, G, acc_t, lrun, compute, 0);
+    lanes_store(it, out, row0, H, G, acc_t, lrun, compute, 0, 0);
 }
 #endif /* KVF_HAVE_AVX512 */
 
