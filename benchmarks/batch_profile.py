@@ -96,6 +96,8 @@ def main() -> None:
         counts, total = summarize(raw)
         if args.save_raw:
             shutil.copyfile(raw, args.save_raw)
+    if not result:  # the child died (e.g. kvforge not importable): py-spy still exits 0, so say why
+        sys.exit(f"batch_profile: the profiled run printed no result:\n{run.stderr[-2000:]}")
     if not total:
         sys.exit("batch_profile: no samples inside LLMEngine.step")
     wall = json.loads(result[-1])["wall_s"] if result else float("nan")

@@ -62,6 +62,31 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, d, dv, block_size):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 3), (9, 3), (16, 2), (8, 4), (2, 2)],
+                         ids=["mha3", "gqa2", "gqa3", "gqa8", "gqa2x4", "mha2"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_fp32_whole_row_passes_match_the_reference(heads, kv_heads, window):
+    """fp32 rows of several KV heads per work item (batches of >= 2 sequences a thread) take the whole-row
+    passes, rows of KVF_ROW_STREAMS 16-row tiles in turn: lengths around the tile and tile-group edges."""
+    lens = [1, 15, 16, 47, 48, 49, 97, 145, 400]
+    q, cache, meta = _decode_batch(torch.float32, heads, kv_heads, 64, 64, 16, lens=lens, seed=3)
+    ref = decode_attention(q, cache, meta, 0.125, window)
+    out = cpu_kernel.paged_decode(q, cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, 0.125, window)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+def test_fp32_whole_row_passes_do_not_depend_on_the_batch():
+    """A sequence's output is a function of its own rows: the same bits beside other sequences, or in
+    another place of the batch (the per-tile sums are added in a fixed order)."""
+    q, cache, meta = _decode_batch(torch.float32, 9, 3, 64, 64, 16, lens=[230, 7, 64, 500, 33, 129], seed=5)
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    full = cpu_kernel.paged_decode(q, cache.k, cache.v, tables, lens, 0.125)
+    order = torch.tensor([3, 0, 5, 1])
+    part = cpu_kernel.paged_decode(q[order].contiguous(), cache.k, cache.v, tables[order].contiguous(),
+                                   lens[order].contiguous(), 0.125)
+    assert torch.equal(part, full[order])
+
+
 @pytest.mark.parametrize("d", [32, 64], ids=["d32", "d64-vector-path"])
 @pytest.mark.parametrize("window,softcap", [(5, None), (64, None), (None, 30.0), (24, 50.0)])
 def test_kernel_windows_and_softcap(window, softcap, d):

@@ -232,6 +232,12 @@ static inline __attribute__((always_inline)) void accumulate_row(
 /* The dense AVX-512 path also fetches each V row into L2 while the score pass walks its K row (this
  * many rows behind the cursor), so the weighted-V pass after the softmax reads from cache: a thread
  * keeps two streams in flight instead of one. Past L2's size (long contexts) the rows wait in L3. */
+#ifndef KVF_ROW_MAJOR_F32
+#define KVF_ROW_MAJOR_F32 1
+#endif
+#ifndef KVF_ROW_STREAMS
+#define KVF_ROW_STREAMS 3
+#endif
 #ifndef KVF_V_PREFETCH_LAG
 #define KVF_V_PREFETCH_LAG 32
 #endif
@@ -366,6 +372,110 @@ static inline __attribute__((always_inline)) void values_d64(
     }
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc_mem + g * 64 + 16 * c, acc[g][c]);
+}
+
+/* ---- fp32 rows walked whole, in order (all the item's KV heads of a row before the next row) ----------
+ * The per-head passes above sweep a 16-row tile once per KV head, each sweep reading one head's 256 bytes
+ * of every 768-byte row. Out of DRAM that order is slow on Intel (2-core Xeon with AMX): the block's lines
+ * are demanded in a strided order and only software prefetches, limited by the core's L1 miss buffers,
+ * keep them coming (a read of scattered 12 KiB blocks in that order, 20 GB/s at 2 threads). Read row by row,
+ * the L2's own stream prefetcher, which needs no L1 miss buffers, follows each 4 KiB page once its first
+ * line has been asked for; so these passes prefetch only the lines that start a page or a block (run
+ * starts) KVF_PREFETCH_ROWS ahead (27 GB/s for the same read). Same products and sums in the same order as
+ * `scores_d64` and `values_d64`, so the outputs are bitwise theirs. */
+/* The lines of row i's bytes [off, off + len) that start a run the L2 stream prefetcher cannot see coming:
+ * the segment's first line when it does not continue row i - 1's segment, and each line opening a new
+ * 4 KiB page inside it. */
+static inline __attribute__((always_inline)) void prefetch_run_starts(const char *cache, const int64_t *slots, int64_t i,
+                                                                      size_t row, size_t off, size_t len) {
+    const char *p = cache + slots[i] * row + off;
+    const int follows = len == row && i > 0 && slots[i] == slots[i - 1] + 1;
+    if (!follows || ((uintptr_t)p & 4095) < 64) __builtin_prefetch(p, 0, 2);
+    const uintptr_t end = (uintptr_t)p + len;
+    for (uintptr_t pg = ((uintptr_t)p | 4095) + 1; pg < end; pg += 4096) __builtin_prefetch((const char *)pg, 0, 2);
+}
+
+/* Scores of the rows of KVF_ROW_STREAMS consecutive 16-row tiles from i0 against HG consecutive KV heads'
+ * G query heads each (qf: the item's fp32 queries, 64 floats a head), into st[h * n + i] for the item's
+ * query head h = j * G + g. The tiles' rows are taken in turn (row r of each tile, then row r + 1), so
+ * that as many page streams advance at once: each then moves at a third of the pace, which keeps the L2
+ * stream prefetcher's fixed distance ahead of it long enough to cover DRAM latency. Each tile's scores are
+ * still its 16 rows' products reduced together, so they are bitwise `scores_d64`'s.
+ * part: scratch of KVF_ROW_STREAMS * HG * G * 16 vectors. */
+static inline __attribute__((always_inline)) void scores_rows_f32(
+    const float *qf, const char *k_cache, const int64_t *slots, int64_t i0, int64_t n, size_t k_row,
+    size_t off0, int64_t HG, float *st, __m512 *part, const int G) {
+    const size_t seg = (size_t)HG * 256;
+    const int64_t NHG = HG * G, ahead = 16 * KVF_ROW_STREAMS;
+    int cnt[KVF_ROW_STREAMS];
+    for (int t = 0; t < KVF_ROW_STREAMS; t++) {
+        const int64_t left = n - i0 - 16 * t;
+        cnt[t] = left <= 0 ? 0 : left < 16 ? (int)left : 16;
+    }
+    for (int r = 0; r < 16; r++)
+        for (int t = 0; t < KVF_ROW_STREAMS; t++) {
+            __m512 *pt = part + t * NHG * 16;
+            if (r >= cnt[t]) {
+                if (cnt[t] > 0)
+                    for (int64_t h = 0; h < NHG; h++) pt[h * 16 + r] = _mm512_setzero_ps();
+                continue;
+            }
+            const int64_t i = i0 + 16 * t + r;
+            if (i + ahead < n) prefetch_run_starts(k_cache, slots, i + ahead, k_row, off0, seg);
+            const char *kp = k_cache + slots[i] * k_row + off0;
+            for (int64_t j = 0; j < HG; j++) {
+                __m512 k[4];
+                load64(kp + j * 256, 0, k);
+                for (int g = 0; g < G; g++) {
+                    __m512 q[4];
+                    load64((const char *)(qf + (j * G + g) * 64), 0, q);
+                    pt[(j * G + g) * 16 + r] = dot64_lanes(q, k);
+                }
+            }
+        }
+    for (int t = 0; t < KVF_ROW_STREAMS && cnt[t] > 0; t++) {
+        const __mmask16 m = (__mmask16)((1u << cnt[t]) - 1u);
+        for (int64_t h = 0; h < NHG; h++)
+            _mm512_mask_storeu_ps(st + h * n + i0 + 16 * t, m, reduce16(part + (t * NHG + h) * 16));
+    }
+}
+
+/* acc[h] = sum over rows [0, n) of e[h * n + i] x inv[h] x v_i for the item's query heads h = j * G + g of
+ * HG consecutive KV heads, each row read whole once, KVF_ROW_STREAMS tiles' rows in turn as the score pass
+ * takes them. Each tile position t sums into its own accumulators (tacc, KVF_ROW_STREAMS x HG * G x 64
+ * floats, in memory), added in t order at the end: a fixed order for a given n, whatever the batch. */
+static inline __attribute__((always_inline)) void values_rows_f32(
+    const float *e, const float *inv, const char *v_cache, const int64_t *slots, int64_t n, size_t v_row,
+    size_t off0, int64_t HG, float *acc, float *tacc, const int G) {
+    const size_t seg = (size_t)HG * 256;
+    const int64_t NHG = HG * G, ahead = 16 * KVF_ROW_STREAMS;
+    memset(tacc, 0, sizeof(float) * KVF_ROW_STREAMS * NHG * 64);
+    for (int64_t i = 0; i < n && i < ahead; i++) prefetch_run_starts(v_cache, slots, i, v_row, off0, seg);
+    for (int64_t i0 = 0; i0 < n; i0 += ahead)
+        for (int r = 0; r < 16; r++)
+            for (int t = 0; t < KVF_ROW_STREAMS; t++) {
+                const int64_t i = i0 + 16 * t + r;
+                if (i >= n) continue;
+                if (i + ahead < n) prefetch_run_starts(v_cache, slots, i + ahead, v_row, off0, seg);
+                const char *vp = v_cache + slots[i] * v_row + off0;
+                float *ta = tacc + t * NHG * 64;
+                for (int64_t j = 0; j < HG; j++) {
+                    __m512 v[4];
+                    load64(vp + j * 256, 0, v);
+                    for (int g = 0; g < G; g++) {
+                        const int64_t h = j * G + g;
+                        const __m512 w = _mm512_set1_ps(e[h * n + i] * inv[h]);
+                        float *a = ta + h * 64;
+                        for (int c = 0; c < 4; c++)
+                            _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
+                    }
+                }
+            }
+    for (int64_t x = 0; x < NHG * 64; x += 16) {
+        __m512 sum = _mm512_loadu_ps(tacc + x);
+        for (int t = 1; t < KVF_ROW_STREAMS; t++) sum = _mm512_add_ps(sum, _mm512_loadu_ps(tacc + t * NHG * 64 + x));
+        _mm512_storeu_ps(acc + x, sum);
+    }
 }
 
 /* ---- 8-bit rows on the AVX-512 path: int8, fp8 e4m3 and e5m2 with one scale per row -----------------
@@ -1120,7 +1230,8 @@ int kvf_paged_decode(
         float *vscale = malloc(sizeof(float) * heads_per_item * G); /* int8 V under bf16: int16 probability steps */
         int32_t *acci = malloc(sizeof(int32_t) * heads_per_item * G * 64);
         float *pinv = malloc(sizeof(float) * heads_per_item * G); /* 1 / each head's softmax sum */
-        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qlut && qscale && vscale && acci && pinv;
+        float *tacc = malloc(sizeof(float) * KVF_ROW_STREAMS * heads_per_item * G * DV); /* `values_rows_f32`'s per-stream sums */
+        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qlut && qscale && vscale && acci && pinv && tacc;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1159,7 +1270,21 @@ int kvf_paged_decode(
 #else
             const int fast_k = 0, fast_v = 0;
 #endif
-            if (fast) {
+            /* fp32 rows of several KV heads: walked whole, row by row (`scores_rows_f32`) */
+            const int rows_f32 = fast && KVF_ROW_MAJOR_F32 && dtype_code == 0 && heads_per_item > 1 && heads_per_item * G <= 16;
+            if (rows_f32) {
+#ifdef KVF_HAVE_AVX512
+                __m512 part[KVF_ROW_STREAMS * 16 * 16];
+                const size_t off0 = (size_t)kv0 * D * esz;
+                for (int64_t i = 0; i < n && i < 16 * KVF_ROW_STREAMS; i++)
+                    prefetch_run_starts((const char *)k_cache, slots, i, k_row, off0, (size_t)heads_per_item * 256);
+                for (int64_t i0 = 0; i0 < n; i0 += 16 * KVF_ROW_STREAMS) {
+#define KVF_SCORES(GC) scores_rows_f32(qf, (const char *)k_cache, slots, i0, n, k_row, off0, heads_per_item, scores, part, GC)
+                    KVF_DISPATCH_G(G, KVF_SCORES)
+#undef KVF_SCORES
+                }
+#endif
+            } else if (fast) {
 #ifdef KVF_HAVE_AVX512
                 /* Block by block: a block's rows (all the item's KV heads) are fetched from memory
                  * once and reused from L1 by each head, while the rows KVF_PREFETCH_ROWS ahead are
@@ -1259,7 +1384,7 @@ int kvf_paged_decode(
                     }
                 }
             }
-            if (fast) { /* the V rows the score pass did not fetch yet: its last KVF_V_PREFETCH_LAG */
+            if (fast && !rows_f32) { /* the V rows the score pass did not fetch yet: its last KVF_V_PREFETCH_LAG */
                 const int64_t v0 = n > KVF_V_PREFETCH_LAG ? n - KVF_V_PREFETCH_LAG : 0;
                 prefetch_rows((const char *)v_cache, slots, v0, n - v0, v_row);
             }
@@ -1301,7 +1426,14 @@ int kvf_paged_decode(
                     for (int64_t i = 0; i < n; i++) sg[i] *= inv;
                 }
             }
-            if (fast) {
+            if (rows_f32) {
+#ifdef KVF_HAVE_AVX512
+                memset(acc, 0, sizeof(float) * NH * DV);
+#define KVF_VALUES(GC) values_rows_f32(scores, pinv, (const char *)v_cache, slots, n, v_row, (size_t)kv0 * DV * esz, heads_per_item, acc, tacc, GC)
+                KVF_DISPATCH_G(G, KVF_VALUES)
+#undef KVF_VALUES
+#endif
+            } else if (fast) {
 #ifdef KVF_HAVE_AVX512
                 memset(acc, 0, sizeof(float) * NH * DV);
 #if defined(__AVX512BF16__)
@@ -1444,6 +1576,7 @@ int kvf_paged_decode(
         free(vscale);
         free(acci);
         free(pinv);
+        free(tacc);
 #ifdef KVF_HAVE_MXCSR
         _mm_setcsr(saved_csr);
 #endif
@@ -2116,13 +2249,15 @@ static void prefill_item_amx(const prefill_item *it, const char *q, const kvf_kv
 #endif
 
 /* s[r] = sum over dims [d0, d0 + 32) of the lanes' queries (qg[d][lane]) times key r's element d. */
-static inline __attribute__((always_inline)) void scores_f32_half(const float *qg, const float *const *kd, int d0,
+static inline __attribute__((always_inline)) void scores_f32_half(const float *qg, const float *kb, int d0,
                                                                    __m512 *s) {
+    /* kb: the 16 key rows, 64 floats each, one after another, so each broadcast is one base register plus a
+     * constant (16 row pointers had left the registers and cost a load per FMA) */
     for (int r = 0; r < 16; r++) s[r] = _mm512_setzero_ps();
     for (int d = d0; d < d0 + 32; d++) {
         const __m512 qv = _mm512_load_ps(qg + d * 16);
 #pragma GCC unroll 16
-        for (int r = 0; r < 16; r++) s[r] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kd[r][d]), s[r]);
+        for (int r = 0; r < 16; r++) s[r] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kb[r * 64 + d]), s[r]);
     }
 }
 
@@ -2198,22 +2333,33 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
             vd[r] = q8_v ? q8_row_f32(V, slot, it->kv_head, compute, vbuf + r * 64)
                          : kv_row(vbuf + r * 64, V, slot, it->kv_head, 64, BS, compute);
         }
+        /* rows read in place (and the zero rows past cnt) are copied next to the decoded ones: kbuf and vbuf
+         * then hold the block's 16 rows contiguously, which the loops below index with constants */
+        for (int r = 0; r < 16; r++) {
+            if (kd[r] != kbuf + r * 64) memcpy(kbuf + r * 64, kd[r], 64 * sizeof(float));
+            if (vd[r] != vbuf + r * 64) memcpy(vbuf + r * 64, vd[r], 64 * sizeof(float));
+        }
         for (int64_t grp = 0; grp < ngroups; grp++) {
             if (kb > gmax[grp]) continue;                                  /* all keys after every lane */
             if (window > 0 && kb + cnt - 1 <= gmin[grp] - window) continue; /* all before every window */
             const float *qg = qt + grp * 1024;
             /* each score as two 32-term chains added at the end (one 64-term chain lost ~1.5x in accuracy) */
             __m512 s[16], s_hi[16];
-            scores_f32_half(qg, kd, 0, s);
-            scores_f32_half(qg, kd, 32, s_hi);
+            scores_f32_half(qg, kbuf, 0, s);
+            scores_f32_half(qg, kbuf, 32, s_hi);
             for (int r = 0; r < 16; r++) s[r] = _mm512_add_ps(s[r], s_hi[r]);
             const __m512 corr = lanes_softmax(s, _mm512_load_si512(pos + grp * 16), kb, window, scale, softcap,
                                               &mrun[grp], &lrun[grp]);
             float *ag = acc_t + grp * 1024;
-            for (int d = 0; d < 64; d++) {
-                __m512 a = _mm512_mul_ps(_mm512_load_ps(ag + d * 16), corr);
-                for (int r = 0; r < cnt; r++) a = _mm512_fmadd_ps(s[r], _mm512_set1_ps(vd[r][d]), a);
-                _mm512_store_ps(ag + d * 16, a);
+            /* all 16 rows, masked ones too (probability 0 times a zero row adds +0), so the loop has no
+             * run-time bound; four dims at a time, four independent FMA chains instead of one */
+            for (int d = 0; d < 64; d += 4) {
+                __m512 a[4];
+                for (int u = 0; u < 4; u++) a[u] = _mm512_mul_ps(_mm512_load_ps(ag + (d + u) * 16), corr);
+#pragma GCC unroll 16
+                for (int r = 0; r < 16; r++)
+                    for (int u = 0; u < 4; u++) a[u] = _mm512_fmadd_ps(s[r], _mm512_set1_ps(vbuf[r * 64 + d + u]), a[u]);
+                for (int u = 0; u < 4; u++) _mm512_store_ps(ag + (d + u) * 16, a[u]);
             }
         }
     }
