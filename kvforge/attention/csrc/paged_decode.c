@@ -399,8 +399,9 @@ static inline __attribute__((always_inline)) void prefetch_run_starts(const char
  * G query heads each (qf: the item's fp32 queries, 64 floats a head), into st[h * n + i] for the item's
  * query head h = j * G + g. The tiles' rows are taken in turn (row r of each tile, then row r + 1), so
  * that as many page streams advance at once: each then moves at a third of the pace, which keeps the L2
- * stream prefetcher's fixed distance ahead of it long enough to cover DRAM latency. Each tile's scores are
- * still its 16 rows' products reduced together, so they are bitwise `scores_d64`'s.
+ * stream prefetcher's fixed distance ahead of it long enough to cover DRAM latency. The rows r of the
+ * tiles are scored together, each query loaded once for them. Each tile's scores are still its 16 rows'
+ * products reduced together, so they are bitwise `scores_d64`'s.
  * part: scratch of KVF_ROW_STREAMS * HG * G * 16 vectors. */
 static inline __attribute__((always_inline)) void scores_rows_f32(
     const float *qf, const char *k_cache, const int64_t *slots, int64_t i0, int64_t n, size_t k_row,
@@ -412,27 +413,24 @@ static inline __attribute__((always_inline)) void scores_rows_f32(
         const int64_t left = n - i0 - 16 * t;
         cnt[t] = left <= 0 ? 0 : left < 16 ? (int)left : 16;
     }
-    for (int r = 0; r < 16; r++)
+    for (int r = 0; r < 16; r++) {
+        /* rows past a tile's end read the first row instead: their lanes are never stored */
+        const char *kp[KVF_ROW_STREAMS];
         for (int t = 0; t < KVF_ROW_STREAMS; t++) {
-            __m512 *pt = part + t * NHG * 16;
-            if (r >= cnt[t]) {
-                if (cnt[t] > 0)
-                    for (int64_t h = 0; h < NHG; h++) pt[h * 16 + r] = _mm512_setzero_ps();
-                continue;
-            }
             const int64_t i = i0 + 16 * t + r;
-            if (i + ahead < n) prefetch_run_starts(k_cache, slots, i + ahead, k_row, off0, seg);
-            const char *kp = k_cache + slots[i] * k_row + off0;
-            for (int64_t j = 0; j < HG; j++) {
-                __m512 k[4];
-                load64(kp + j * 256, 0, k);
-                for (int g = 0; g < G; g++) {
-                    __m512 q[4];
-                    load64((const char *)(qf + (j * G + g) * 64), 0, q);
-                    pt[(j * G + g) * 16 + r] = dot64_lanes(q, k);
-                }
+            if (r < cnt[t] && i + ahead < n) prefetch_run_starts(k_cache, slots, i + ahead, k_row, off0, seg);
+            kp[t] = k_cache + slots[r < cnt[t] ? i : i0] * k_row + off0;
+        }
+        for (int64_t j = 0; j < HG; j++) {
+            __m512 k[KVF_ROW_STREAMS][4];
+            for (int t = 0; t < KVF_ROW_STREAMS; t++) load64(kp[t] + j * 256, 0, k[t]);
+            for (int g = 0; g < G; g++) {
+                __m512 q[4];
+                load64((const char *)(qf + (j * G + g) * 64), 0, q);
+                for (int t = 0; t < KVF_ROW_STREAMS; t++) part[(t * NHG + j * G + g) * 16 + r] = dot64_lanes(q, k[t]);
             }
         }
+    }
     for (int t = 0; t < KVF_ROW_STREAMS && cnt[t] > 0; t++) {
         const __mmask16 m = (__mmask16)((1u << cnt[t]) - 1u);
         for (int64_t h = 0; h < NHG; h++)
@@ -440,42 +438,52 @@ static inline __attribute__((always_inline)) void scores_rows_f32(
     }
 }
 
-/* acc[h] = sum over rows [0, n) of e[h * n + i] x inv[h] x v_i for the item's query heads h = j * G + g of
- * HG consecutive KV heads, each row read whole once, KVF_ROW_STREAMS tiles' rows in turn as the score pass
- * takes them. Each tile position t sums into its own accumulators (tacc, KVF_ROW_STREAMS x HG * G x 64
- * floats, in memory), added in t order at the end: a fixed order for a given n, whatever the batch. */
+/* acc[h] = sum of e[h * n + i] x inv[h] x v_i over rows [0, n) for the item's query heads h = j * G + g of
+ * HG consecutive KV heads, each row read whole once, in the score pass's order (row r of each of
+ * KVF_ROW_STREAMS tiles in turn). The rows r of the tiles are added together, each head's accumulators
+ * (in memory, acc) loaded and stored once for them. The order depends on n alone, so a sequence's output
+ * does not depend on its batch. */
 static inline __attribute__((always_inline)) void values_rows_f32(
     const float *e, const float *inv, const char *v_cache, const int64_t *slots, int64_t n, size_t v_row,
-    size_t off0, int64_t HG, float *acc, float *tacc, const int G) {
+    size_t off0, int64_t HG, float *acc, const int G) {
     const size_t seg = (size_t)HG * 256;
     const int64_t NHG = HG * G, ahead = 16 * KVF_ROW_STREAMS;
-    memset(tacc, 0, sizeof(float) * KVF_ROW_STREAMS * NHG * 64);
+    memset(acc, 0, sizeof(float) * NHG * 64);
     for (int64_t i = 0; i < n && i < ahead; i++) prefetch_run_starts(v_cache, slots, i, v_row, off0, seg);
     for (int64_t i0 = 0; i0 < n; i0 += ahead)
-        for (int r = 0; r < 16; r++)
+        for (int r = 0; r < 16; r++) {
+            int64_t idx[KVF_ROW_STREAMS];
+            int nr = 0; /* the tiles' rows r that exist: a prefix of the tiles */
             for (int t = 0; t < KVF_ROW_STREAMS; t++) {
                 const int64_t i = i0 + 16 * t + r;
-                if (i >= n) continue;
+                if (i >= n) break;
                 if (i + ahead < n) prefetch_run_starts(v_cache, slots, i + ahead, v_row, off0, seg);
-                const char *vp = v_cache + slots[i] * v_row + off0;
-                float *ta = tacc + t * NHG * 64;
-                for (int64_t j = 0; j < HG; j++) {
-                    __m512 v[4];
-                    load64(vp + j * 256, 0, v);
-                    for (int g = 0; g < G; g++) {
-                        const int64_t h = j * G + g;
-                        const __m512 w = _mm512_set1_ps(e[h * n + i] * inv[h]);
-                        float *a = ta + h * 64;
-                        for (int c = 0; c < 4; c++)
-                            _mm512_storeu_ps(a + 16 * c, _mm512_fmadd_ps(w, v[c], _mm512_loadu_ps(a + 16 * c)));
+                idx[nr++] = i;
+            }
+            if (nr == 0) break;
+            for (int64_t j = 0; j < HG; j++) {
+                __m512 v[KVF_ROW_STREAMS][4];
+                for (int t = 0; t < nr; t++) load64(v_cache + slots[idx[t]] * v_row + off0 + j * 256, 0, v[t]);
+                for (int g = 0; g < G; g++) {
+                    const int64_t h = j * G + g;
+                    float *a = acc + h * 64;
+                    __m512 s[4];
+                    for (int c = 0; c < 4; c++) s[c] = _mm512_loadu_ps(a + 16 * c);
+                    if (nr == KVF_ROW_STREAMS) {
+                        for (int t = 0; t < KVF_ROW_STREAMS; t++) {
+                            const __m512 w = _mm512_set1_ps(e[h * n + idx[t]] * inv[h]);
+                            for (int c = 0; c < 4; c++) s[c] = _mm512_fmadd_ps(w, v[t][c], s[c]);
+                        }
+                    } else {
+                        for (int t = 0; t < nr; t++) {
+                            const __m512 w = _mm512_set1_ps(e[h * n + idx[t]] * inv[h]);
+                            for (int c = 0; c < 4; c++) s[c] = _mm512_fmadd_ps(w, v[t][c], s[c]);
+                        }
                     }
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(a + 16 * c, s[c]);
                 }
             }
-    for (int64_t x = 0; x < NHG * 64; x += 16) {
-        __m512 sum = _mm512_loadu_ps(tacc + x);
-        for (int t = 1; t < KVF_ROW_STREAMS; t++) sum = _mm512_add_ps(sum, _mm512_loadu_ps(tacc + t * NHG * 64 + x));
-        _mm512_storeu_ps(acc + x, sum);
-    }
+        }
 }
 
 /* ---- 8-bit rows on the AVX-512 path: int8, fp8 e4m3 and e5m2 with one scale per row -----------------
@@ -1230,8 +1238,7 @@ int kvf_paged_decode(
         float *vscale = malloc(sizeof(float) * heads_per_item * G); /* int8 V under bf16: int16 probability steps */
         int32_t *acci = malloc(sizeof(int32_t) * heads_per_item * G * 64);
         float *pinv = malloc(sizeof(float) * heads_per_item * G); /* 1 / each head's softmax sum */
-        float *tacc = malloc(sizeof(float) * KVF_ROW_STREAMS * heads_per_item * G * DV); /* `values_rows_f32`'s per-stream sums */
-        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qlut && qscale && vscale && acci && pinv && tacc;
+        const int ok = qf && scores && acc && row && slots && pb16 && vbuf && vf && fac && qi16 && qlut && qscale && vscale && acci && pinv;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -1429,7 +1436,7 @@ int kvf_paged_decode(
             if (rows_f32) {
 #ifdef KVF_HAVE_AVX512
                 memset(acc, 0, sizeof(float) * NH * DV);
-#define KVF_VALUES(GC) values_rows_f32(scores, pinv, (const char *)v_cache, slots, n, v_row, (size_t)kv0 * DV * esz, heads_per_item, acc, tacc, GC)
+#define KVF_VALUES(GC) values_rows_f32(scores, pinv, (const char *)v_cache, slots, n, v_row, (size_t)kv0 * DV * esz, heads_per_item, acc, GC)
                 KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
 #endif
@@ -1576,7 +1583,6 @@ int kvf_paged_decode(
         free(vscale);
         free(acci);
         free(pinv);
-        free(tacc);
 #ifdef KVF_HAVE_MXCSR
         _mm_setcsr(saved_csr);
 #endif
