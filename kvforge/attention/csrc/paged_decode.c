@@ -2255,17 +2255,6 @@ static void prefill_item_amx(const prefill_item *it, const char *q, const kvf_kv
 #endif
 
 /* s[r] = sum over dims [d0, d0 + 32) of the lanes' queries (qg[d][lane]) times key r's element d. */
-static inline __attribute__((always_inline)) void scores_f32_half(const float *qg, const float *kb, int d0,
-                                                                   __m512 *s) {
-    /* kb: the 16 key rows, 64 floats each, one after another, so each broadcast is one base register plus a
-     * constant (16 row pointers had left the registers and cost a load per FMA) */
-    for (int r = 0; r < 16; r++) s[r] = _mm512_setzero_ps();
-    for (int d = d0; d < d0 + 32; d++) {
-        const __m512 qv = _mm512_load_ps(qg + d * 16);
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; r++) s[r] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kb[r * 64 + d]), s[r]);
-    }
-}
 
 /* An 8-bit row with one scale per row (`q8_reads`) as 64 floats, 16 codes per instruction: code x factor
  * in fp32 (one rounding), then rounded to bf16 under bf16 compute, exactly the values `kv_row` gives. */
@@ -2304,6 +2293,33 @@ static inline __attribute__((always_inline)) const float *q8_row_f32(const kvf_k
  * the panel kernel's measured choice; the Intel Xeons seen here): queries widened from bf16, rows decoded
  * to bf16 values as `prefill_item_bf16` takes them, so every product is the same exact product; the sums
  * stay fp32 and the probabilities are not rounded to bf16 before P.V (closer to the exact result). */
+/* Scores of the block's 16 keys (kb: rows of 64 floats, one after another) against NG groups of 16 query
+ * vectors at once (qg[g]: a group's queries, dim-major), into sb[g * 16 + r] (lane = query vector): 8 keys
+ * at a time, so each key element is broadcast once for every group (24 accumulators), where a group at a
+ * time broadcast it once per group. Each score is still two 32-term chains (dims 0-31, then 32-63) added
+ * at the end, in the order the loop of one group at a time summed them: the same bits. */
+static inline __attribute__((always_inline)) void scores_f32_groups(const float *const *qg, const float *kb,
+                                                                     __m512 *sb, const int NG) {
+    for (int half = 0; half < 16; half += 8)
+        for (int d0 = 0; d0 < 64; d0 += 32) {
+            __m512 a[3][8];
+            for (int g = 0; g < NG; g++)
+                for (int r = 0; r < 8; r++) a[g][r] = _mm512_setzero_ps();
+            for (int d = d0; d < d0 + 32; d++) {
+                __m512 qv[3];
+                for (int g = 0; g < NG; g++) qv[g] = _mm512_load_ps(qg[g] + d * 16);
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    const __m512 k = _mm512_set1_ps(kb[(half + r) * 64 + d]);
+                    for (int g = 0; g < NG; g++) a[g][r] = _mm512_fmadd_ps(qv[g], k, a[g][r]);
+                }
+            }
+            for (int g = 0; g < NG; g++)
+                for (int r = 0; r < 8; r++)
+                    sb[g * 16 + half + r] = d0 == 0 ? a[g][r] : _mm512_add_ps(sb[g * 16 + half + r], a[g][r]);
+        }
+}
+
 static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
                              int64_t window, float scale, float softcap, int64_t G, float *qt, float *acc_t,
@@ -2345,15 +2361,27 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
             if (kd[r] != kbuf + r * 64) memcpy(kbuf + r * 64, kd[r], 64 * sizeof(float));
             if (vd[r] != vbuf + r * 64) memcpy(vbuf + r * 64, vd[r], 64 * sizeof(float));
         }
+        /* the groups this block reaches: their scores all at once (`scores_f32_groups`) */
+        int act[3], nact = 0;
         for (int64_t grp = 0; grp < ngroups; grp++) {
             if (kb > gmax[grp]) continue;                                  /* all keys after every lane */
             if (window > 0 && kb + cnt - 1 <= gmin[grp] - window) continue; /* all before every window */
-            const float *qg = qt + grp * 1024;
+            act[nact++] = (int)grp;
+        }
+        __m512 sb[48];
+        const float *qgs[3] = {qt + act[0 % (nact ? nact : 1)] * 1024, NULL, NULL};
+        for (int a = 1; a < nact; a++) qgs[a] = qt + act[a] * 1024;
+        if (nact == 3)
+            scores_f32_groups(qgs, kbuf, sb, 3);
+        else if (nact == 2)
+            scores_f32_groups(qgs, kbuf, sb, 2);
+        else if (nact == 1)
+            scores_f32_groups(qgs, kbuf, sb, 1);
+        for (int a = 0; a < nact; a++) {
+            const int64_t grp = act[a];
             /* each score as two 32-term chains added at the end (one 64-term chain lost ~1.5x in accuracy) */
-            __m512 s[16], s_hi[16];
-            scores_f32_half(qg, kbuf, 0, s);
-            scores_f32_half(qg, kbuf, 32, s_hi);
-            for (int r = 0; r < 16; r++) s[r] = _mm512_add_ps(s[r], s_hi[r]);
+            __m512 s[16];
+            for (int r = 0; r < 16; r++) s[r] = sb[a * 16 + r];
             const __m512 corr = lanes_softmax(s, _mm512_load_si512(pos + grp * 16), kb, window, scale, softcap,
                                               &mrun[grp], &lrun[grp]);
             float *ag = acc_t + grp * 1024;
