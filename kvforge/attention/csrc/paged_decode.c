@@ -232,14 +232,16 @@ static inline __attribute__((always_inline)) void accumulate_row(
 /* The dense AVX-512 path also fetches each V row into L2 while the score pass walks its K row (this
  * many rows behind the cursor), so the weighted-V pass after the softmax reads from cache: a thread
  * keeps two streams in flight instead of one. Past L2's size (long contexts) the rows wait in L3. */
+#ifndef KVF_V_PREFETCH_LAG
+#define KVF_V_PREFETCH_LAG 32
+#endif
+/* fp32 rows of several KV heads per item walk whole rows in order (`scores_rows_f32` below; 0: the per-head
+ * passes, for an A/B), KVF_ROW_STREAMS 16-row tiles' rows in turn. */
 #ifndef KVF_ROW_MAJOR_F32
 #define KVF_ROW_MAJOR_F32 1
 #endif
 #ifndef KVF_ROW_STREAMS
 #define KVF_ROW_STREAMS 3
-#endif
-#ifndef KVF_V_PREFETCH_LAG
-#define KVF_V_PREFETCH_LAG 32
 #endif
 /* Fetch the whole rows [i0, i0 + cnt) (all KV heads) ahead of use into L2 (prefetcht1): measured
  * 20% faster per bf16 layer out of DRAM than into L1, whose few miss buffers the 6-12 lines of each
@@ -381,8 +383,8 @@ static inline __attribute__((always_inline)) void values_d64(
  * keep them coming (a read of scattered 12 KiB blocks in that order, 20 GB/s at 2 threads). Read row by row,
  * the L2's own stream prefetcher, which needs no L1 miss buffers, follows each 4 KiB page once its first
  * line has been asked for; so these passes prefetch only the lines that start a page or a block (run
- * starts) KVF_PREFETCH_ROWS ahead (27 GB/s for the same read). Same products and sums in the same order as
- * `scores_d64` and `values_d64`, so the outputs are bitwise theirs. */
+ * starts), 16 x KVF_ROW_STREAMS rows ahead (27 GB/s for the same read). The scores are bitwise
+ * `scores_d64`'s; the V rows are summed in another order than `values_d64`'s (fp32 rounding apart). */
 /* The lines of row i's bytes [off, off + len) that start a run the L2 stream prefetcher cannot see coming:
  * the segment's first line when it does not continue row i - 1's segment, and each line opening a new
  * 4 KiB page inside it. */
@@ -469,7 +471,7 @@ static inline __attribute__((always_inline)) void values_rows_f32(
                     float *a = acc + h * 64;
                     __m512 s[4];
                     for (int c = 0; c < 4; c++) s[c] = _mm512_loadu_ps(a + 16 * c);
-                    if (nr == KVF_ROW_STREAMS) {
+                    if (nr == KVF_ROW_STREAMS) { /* every group but the last: a constant trip count, unrolled */
                         for (int t = 0; t < KVF_ROW_STREAMS; t++) {
                             const __m512 w = _mm512_set1_ps(e[h * n + idx[t]] * inv[h]);
                             for (int c = 0; c < 4; c++) s[c] = _mm512_fmadd_ps(w, v[t][c], s[c]);
@@ -1435,7 +1437,6 @@ int kvf_paged_decode(
             }
             if (rows_f32) {
 #ifdef KVF_HAVE_AVX512
-                memset(acc, 0, sizeof(float) * NH * DV);
 #define KVF_VALUES(GC) values_rows_f32(scores, pinv, (const char *)v_cache, slots, n, v_row, (size_t)kv0 * DV * esz, heads_per_item, acc, GC)
                 KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
@@ -2254,8 +2255,6 @@ static void prefill_item_amx(const prefill_item *it, const char *q, const kvf_kv
 #define KVF_PREFILL_AMX 0
 #endif
 
-/* s[r] = sum over dims [d0, d0 + 32) of the lanes' queries (qg[d][lane]) times key r's element d. */
-
 /* An 8-bit row with one scale per row (`q8_reads`) as 64 floats, 16 codes per instruction: code x factor
  * in fp32 (one rounding), then rounded to bf16 under bf16 compute, exactly the values `kv_row` gives. */
 static inline __attribute__((always_inline)) void q8_row_f32_as(const kvf_kv *op, int64_t slot, int64_t h,
@@ -2285,14 +2284,6 @@ static inline __attribute__((always_inline)) const float *q8_row_f32(const kvf_k
     return dst;
 }
 
-/* fp32 on the lanes layout: the same loop as `prefill_item_bf16` with fp32 FMAs (64 a key for the scores,
- * 16 a dim for P.V), rows read as fp32 where they lie or decoded by `kv_row` as the keys-in-lanes loop
- * decodes them. Scratch: qt and acc_t >= 3 x 64 x 16 floats, kbuf 17 x 64 floats (16 rows and zeros),
- * vbuf 16 x 64 floats, all 64-byte aligned.
- * With `compute` bf16 it is the bf16 prefill on CPUs whose fp32 FMAs outrun VDPBF16PS (`kvf_set_bf16_fma`,
- * the panel kernel's measured choice; the Intel Xeons seen here): queries widened from bf16, rows decoded
- * to bf16 values as `prefill_item_bf16` takes them, so every product is the same exact product; the sums
- * stay fp32 and the probabilities are not rounded to bf16 before P.V (closer to the exact result). */
 /* Scores of the block's 16 keys (kb: rows of 64 floats, one after another) against NG groups of 16 query
  * vectors at once (qg[g]: a group's queries, dim-major), into sb[g * 16 + r] (lane = query vector): 8 keys
  * at a time, so each key element is broadcast once for every group (24 accumulators), where a group at a
@@ -2320,6 +2311,14 @@ static inline __attribute__((always_inline)) void scores_f32_groups(const float 
         }
 }
 
+/* fp32 on the lanes layout: the same loop as `prefill_item_bf16` with fp32 FMAs (64 a key for the scores,
+ * 16 a dim for P.V), rows read as fp32 where they lie or decoded by `kv_row` as the keys-in-lanes loop
+ * decodes them. Scratch: qt and acc_t >= 3 x 64 x 16 floats, kbuf 17 x 64 floats (16 rows and zeros),
+ * vbuf 16 x 64 floats, all 64-byte aligned.
+ * With `compute` bf16 it is the bf16 prefill on CPUs whose fp32 FMAs outrun VDPBF16PS (`kvf_set_bf16_fma`,
+ * the panel kernel's measured choice; the Intel Xeons seen here): queries widened from bf16, rows decoded
+ * to bf16 values as `prefill_item_bf16` takes them, so every product is the same exact product; the sums
+ * stay fp32 and the probabilities are not rounded to bf16 before P.V (closer to the exact result). */
 static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv *K, const kvf_kv *V,
                              const int64_t *table, int64_t row0, int64_t start, char *out, int64_t H, int64_t BS,
                              int64_t window, float scale, float softcap, int64_t G, float *qt, float *acc_t,
@@ -2369,14 +2368,14 @@ static void prefill_item_f32(const prefill_item *it, const char *q, const kvf_kv
             act[nact++] = (int)grp;
         }
         __m512 sb[48];
-        const float *qgs[3] = {qt + act[0 % (nact ? nact : 1)] * 1024, NULL, NULL};
-        for (int a = 1; a < nact; a++) qgs[a] = qt + act[a] * 1024;
-        if (nact == 3)
-            scores_f32_groups(qgs, kbuf, sb, 3);
-        else if (nact == 2)
-            scores_f32_groups(qgs, kbuf, sb, 2);
-        else if (nact == 1)
-            scores_f32_groups(qgs, kbuf, sb, 1);
+        const float *qgs[3] = {NULL, NULL, NULL};
+        for (int a = 0; a < nact; a++) qgs[a] = qt + act[a] * 1024;
+        switch (nact) { /* the group count as a constant: the accumulators stay in registers */
+        case 3: scores_f32_groups(qgs, kbuf, sb, 3); break;
+        case 2: scores_f32_groups(qgs, kbuf, sb, 2); break;
+        case 1: scores_f32_groups(qgs, kbuf, sb, 1); break;
+        default: break;
+        }
         for (int a = 0; a < nact; a++) {
             const int64_t grp = act[a];
             /* each score as two 32-term chains added at the end (one 64-term chain lost ~1.5x in accuracy) */
