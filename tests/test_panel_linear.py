@@ -50,11 +50,12 @@ def test_large_m_crosses_row_blocks():
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the AVX-512 GEMM tiles")
 def test_gemm_rows_do_not_depend_on_their_tile():
-    """AVX-512 GEMM rows (M >= 4) are copied into tiles of 8 interleaved rows, the last one padded: a row's
+    """AVX-512 GEMM rows are copied into tiles of 8 (14 for 9-14 rows) interleaved rows, the last one padded: a row's
     output is the same bits whichever tile and slot it lands in, and whatever rows share its tile or call,
     down to a call of one row (the AVX2 tiles treat 1-3 rows as decode rows, which sum in another order)."""
     torch.manual_seed(3)
-    for m, k, n in ((37, 131, 70), (5, 9, 16), (300, 576, 50)):
+    # 9-14 rows take the 14-row wide tile and 15-32 rows spread their prefetches as runs: same bits
+    for m, k, n in ((37, 131, 70), (5, 9, 16), (300, 576, 50), (14, 131, 70), (10, 576, 33), (15, 64, 49)):
         x, w = torch.randn(m, k), pl.pack_panels(torch.randn(n, k))
         perm = torch.randperm(m)
         full = pl.panel_linear(x, w)

@@ -186,12 +186,15 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
  * (16-64 rows) is neither compute- nor memory-bound alone: without it the first row tile of each group
  * waits on DRAM and the later ones leave the memory bus idle. How the share is issued depends on the
  * number of row tiles (measured on a 2-core Xeon, a decode step's linears out of DRAM, default model):
- *  - 4 to 16 tiles (25-128 rows): evenly over the tile's k loop. Issued up front, the prefetches held the
- *    core's few L1 miss buffers that the tile's own weight loads (L2 hits) need: 32-128 rows took 6-10%
- *    less time spread evenly;
- *  - fewer tiles: one to three lines a k step from the first step. Each tile then carries a whole K of
- *    lines or more, and the earlier they start the better (spread evenly, 16 rows took 5% longer);
+ *  - 2 to 4 tiles (15-32 rows; 9-14 rows take the wide tile below): evenly over the tile's k loop, up to
+ *    three lines a step, as KVF_PREFETCH_RUNS interleaved runs (see there);
+ *  - 5 to 16 tiles (33-128 rows): evenly, in order. Issued up front, the prefetches held the core's few L1
+ *    miss buffers that the tile's own weight loads (L2 hits) need: 32-128 rows took 6-10% less time spread
+ *    evenly;
+ *  - one tile: one to three lines a k step from the first step (it carries the whole next group);
  *  - more tiles (prefill chunks): the same up-front issue, a few lines a tile (spread was 2-4% slower).
+ * With -DKVF_PREFETCH_RUNS=1 -DWIDE_MAX=0, 2-3 tiles issue up front and 9-14 rows take two 8-row tiles, as
+ * before the runs (an A/B build).
  * Tested branches, not an inner loop: a loop's bookkeeping per k cost the tile more than it hid.
  * KVF_GEMM_PREFETCH_EVEN=0 issues every share up front (the A/B in benchmarks/linear_kernels.py --step). */
 #ifndef KVF_GEMM_PREFETCH
@@ -200,23 +203,64 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
 #ifndef KVF_GEMM_PREFETCH_EVEN
 #define KVF_GEMM_PREFETCH_EVEN 1
 #endif
+/* Runs of a spread share: a tile's share of the next group, spread over its k loop, is issued as this many
+ * interleaved runs (prefetch i goes to run i % RUNS, each run a contiguous stretch of the share) in the wide
+ * tile (9-14 rows) and where a decode step has 2-4 row tiles (15-32 rows). Why: the prefetches then walk
+ * several 4 KiB pages at once instead of one line after the next; in one run, in order, the wide tile's
+ * 9-14 rows took 19-22 ms a step's linears, as 4 runs 16.4-17.8 (8 rows: 16.5). Measured on the 2-core
+ * AMX Xeon, a decode step's linears out of DRAM (`benchmarks/linear_kernels.py --step`); 2 runs were
+ * slower than 4, 8 and 16 no faster. */
+#ifndef KVF_PREFETCH_RUNS
+#define KVF_PREFETCH_RUNS 4
+#endif
+/* Spread modes of a tile's share (`spread` below): up front, evenly in order, evenly as runs. */
+enum { KVF_UP_FRONT = 0, KVF_EVEN = 1, KVF_EVEN_RUNS = 2 };
+
+/* One k step of a spread share: npf (<= 3K) lines of `pf` over the tile's K steps, Bresenham-style; with
+ * KVF_EVEN_RUNS, line (slot, pos) = slot * run + pos as the slot cycles through the runs. The counters live
+ * in the caller's registers: tested branches, not an inner loop (a loop's bookkeeping per k cost the tile
+ * more than it hid). */
+static inline __attribute__((always_inline)) void spread(const char *pf, int64_t npf, int64_t K, int runs,
+                                                         int64_t run, int64_t *due, int64_t *slot, int64_t *pos) {
+#define KVF_SPREAD_ONE()                                                              \
+    do {                                                                              \
+        _mm_prefetch(pf + 64 * (*slot * run + *pos), _MM_HINT_T1);                   \
+        if (++*slot == runs) *slot = 0, ++*pos;                                       \
+        *due -= K;                                                                    \
+    } while (0)
+    if ((*due += npf) >= K) {
+        KVF_SPREAD_ONE();
+        if (*due >= K) {
+            KVF_SPREAD_ONE();
+            if (*due >= K) KVF_SPREAD_ONE();
+        }
+    }
+#undef KVF_SPREAD_ONE
+}
 
 static inline __attribute__((always_inline)) void gemm512_tile(const float *xp, int64_t K,
                                                                const float *w, int64_t pstride, int mr, int np,
                                                                float *y, int64_t N, int64_t n0,
                                                                const float *bias, const char *pf, int64_t npf,
-                                                               int even) {
+                                                               int even, const int runs) {
     __m512 acc[GM][GP];
 #pragma GCC unroll 8
     for (int r = 0; r < GM; r++)
 #pragma GCC unroll 3
         for (int p = 0; p < GP; p++) acc[r][p] = _mm512_setzero_ps();
     const float *w1 = w + pstride, *w2 = w + 2 * pstride;
+    /* the share's spread: with `runs` (a compile-time constant), as KVF_PREFETCH_RUNS runs (`spread`); else
+     * up front (even == 0) or evenly in order. Separate copies: the run counters in the loop of the other
+     * modes cost their tiles 3-8% (general registers spilled). */
     int64_t due = 0; /* even spacing: npf lines over K steps, Bresenham-style */
     const char *pnext = pf;
+    const int64_t run = runs ? npf / KVF_PREFETCH_RUNS : 0;
+    int64_t slot = 0, pos = 0;
     for (int64_t k = 0; k < K; k++) {
 #if KVF_GEMM_PREFETCH
-        if (!even) {
+        if (runs) {
+            spread(pf, npf, K, KVF_PREFETCH_RUNS, run, &due, &slot, &pos);
+        } else if (!even) {
             if (k < npf) _mm_prefetch(pf + 64 * k, _MM_HINT_T1);
             if (k + K < npf) _mm_prefetch(pf + 64 * (k + K), _MM_HINT_T1);
             if (k + 2 * K < npf) _mm_prefetch(pf + 64 * (k + 2 * K), _MM_HINT_T1);
@@ -249,19 +293,99 @@ static inline __attribute__((always_inline)) void gemm512_tile(const float *xp, 
     }
 }
 
-/* One specialised copy per (rows, panels), so every accumulator loop is unrolled into registers. */
+/* One specialised copy per (rows, panels, spread as runs or not), so every accumulator loop is unrolled into
+ * registers. `even`: KVF_UP_FRONT, KVF_EVEN or KVF_EVEN_RUNS. */
 static void gemm512_block(const float *xp, int64_t K, const float *w, int64_t pstride, int mr, int np,
                           float *y, int64_t N, int64_t n0, const float *bias, const char *pf, int64_t npf, int even) {
 #define KVF_GEMM_CASE(R, P) \
-    case (R) * 4 + (P): gemm512_tile(xp, K, w, pstride, R, P, y, N, n0, bias, pf, npf, even); break;
+    case (R) * 4 + (P): gemm512_tile(xp, K, w, pstride, R, P, y, N, n0, bias, pf, npf, even, RUNS); break;
 #define KVF_GEMM_ROW(R) KVF_GEMM_CASE(R, 1) KVF_GEMM_CASE(R, 2) KVF_GEMM_CASE(R, 3)
-    switch (mr * 4 + np) {
-        KVF_GEMM_ROW(1) KVF_GEMM_ROW(2) KVF_GEMM_ROW(3) KVF_GEMM_ROW(4)
-        KVF_GEMM_ROW(5) KVF_GEMM_ROW(6) KVF_GEMM_ROW(7) KVF_GEMM_ROW(8)
-    default: break;
+#define KVF_GEMM_SWITCH                                                          \
+    switch (mr * 4 + np) {                                                       \
+        KVF_GEMM_ROW(1) KVF_GEMM_ROW(2) KVF_GEMM_ROW(3) KVF_GEMM_ROW(4)          \
+        KVF_GEMM_ROW(5) KVF_GEMM_ROW(6) KVF_GEMM_ROW(7) KVF_GEMM_ROW(8)          \
+    default: break;                                                              \
     }
+    if (even == KVF_EVEN_RUNS) {
+#define RUNS 1
+        KVF_GEMM_SWITCH
+#undef RUNS
+    } else {
+#define RUNS 0
+        KVF_GEMM_SWITCH
+#undef RUNS
+    }
+#undef KVF_GEMM_SWITCH
 #undef KVF_GEMM_ROW
 #undef KVF_GEMM_CASE
+}
+
+/* Decode rows 9..WM (WIDE_MAX): one tile of up to WM rows x 2 panels, 28 accumulators + 2 weight lines
+ * (x is broadcast from memory by the FMAs), x packed as xw[k * WS + r]. Why: 9-14 rows took two 8-row
+ * tiles over each panel group, the second one's FMAs adding to the group's memory time; one tile covers
+ * them in the pass that reads the weights, as 1-8 rows are covered. Its share of the next panel pair is
+ * spread as runs (`spread`). Measured as the runs above: 9-14 rows 18.8-20.9 -> 16.4-17.8 ms a step's
+ * linears (8 rows: 16.5). The k sums are in the same order as gemm512_tile's: y is bitwise the same. */
+#define WM 14
+#define WS 16
+#ifndef WIDE_MAX
+#define WIDE_MAX 14
+#endif
+static inline __attribute__((always_inline)) void wide_tile(const float *xw, int64_t K, const float *w, int64_t pstride,
+                                                            int mr, int np, float *y, int64_t N, int64_t n0,
+                                                            const float *bias, const char *pf, int64_t npf) {
+    __m512 acc[WM][2];
+#pragma GCC unroll 14
+    for (int r = 0; r < WM; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const float *w1 = w + pstride;
+    const int64_t run = npf / KVF_PREFETCH_RUNS;
+    int64_t due = 0, slot = 0, pos = 0;
+    for (int64_t k = 0; k < K; k++) {
+#if KVF_GEMM_PREFETCH
+        spread(pf, npf, K, KVF_PREFETCH_RUNS, run, &due, &slot, &pos);
+#endif
+        const __m512 w0v = _mm512_loadu_ps(w + k * NR);
+        const __m512 w1v = np > 1 ? _mm512_loadu_ps(w1 + k * NR) : w0v;
+#pragma GCC unroll 14
+        for (int r = 0; r < mr; r++) {
+            const __m512 a = _mm512_set1_ps(xw[k * WS + r]);
+            acc[r][0] = _mm512_fmadd_ps(a, w0v, acc[r][0]);
+            if (np > 1) acc[r][1] = _mm512_fmadd_ps(a, w1v, acc[r][1]);
+        }
+    }
+#pragma GCC unroll 2
+    for (int p = 0; p < np; p++) {
+        const int64_t c0 = n0 + p * NR, nv = N - c0 < NR ? N - c0 : NR;
+        if (nv <= 0) break;
+        const __mmask16 m = (__mmask16)((1u << nv) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
+#pragma GCC unroll 14
+        for (int r = 0; r < mr; r++)
+            _mm512_mask_storeu_ps(y + r * N + c0, m, bias ? _mm512_add_ps(acc[r][p], b) : acc[r][p]);
+    }
+}
+
+/* One specialised copy per (rows, panels), as gemm512_block. */
+static void wide_block(const float *xw, int64_t K, const float *w, int64_t pstride, int mr, int np, float *y,
+                       int64_t N, int64_t n0, const float *bias, const char *pf, int64_t npf) {
+#define KVF_WIDE_CASE(R)                                                            \
+    case R:                                                                         \
+        if (np > 1)                                                                 \
+            wide_tile(xw, K, w, pstride, R, 2, y, N, n0, bias, pf, npf);            \
+        else                                                                        \
+            wide_tile(xw, K, w, pstride, R, 1, y, N, n0, bias, pf, npf);            \
+        break;
+    switch (mr) {
+        KVF_WIDE_CASE(9) KVF_WIDE_CASE(10) KVF_WIDE_CASE(11) KVF_WIDE_CASE(12) KVF_WIDE_CASE(13) KVF_WIDE_CASE(14)
+    default: break;
+    }
+#undef KVF_WIDE_CASE
+}
+
+/* The wide tile's rows: xw[k * WS + r] (columns past M are never read). */
+static void pack_wide(const float *x, int64_t M, int64_t K, float *xw) {
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t k = 0; k < K; k++) xw[k * WS + r] = x[r * K + k];
 }
 
 /* x rows [i, i + mr) as one tile of GM interleaved rows, xp[k * GM + r] (rows past mr are zeros): the tile
@@ -332,7 +456,21 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
         const int64_t p0 = P * tid / nth;
         int64_t p1 = P * (tid + 1) / nth;
 #if KVF_SIMD && defined(__AVX512F__)
-        if (M >= GEMM512_MIN) {
+        if (M > GM && M <= WIDE_MAX && M <= WM) {
+            /* 9-14 rows: one wide tile a panel pair; the next pair's lines spread over its k loop */
+            float *xw = pack_buffer(WS * K);
+            if (xw) {
+                pack_wide(x, M, K, xw);
+                for (int64_t p = p0; p < p1; p += 2) {
+                    const int np = (int)(p1 - p < 2 ? p1 - p : 2);
+                    const int64_t next = p + 2 < p1 ? (p1 - p - 2 < 2 ? p1 - p - 2 : 2) : 0;
+                    const int64_t lines = next * K * NR * (int64_t)sizeof(float) / 64;
+                    wide_block(xw, K, wp + p * panel_floats, panel_floats, (int)M, np, y, N, p * NR, bias,
+                               (const char *)(wp + (p + 2) * panel_floats), lines);
+                }
+                p1 = p0; /* done: skip the loops below */
+            }
+        } else if (M >= GEMM512_MIN) {
             /* rows in chunks whose x fits in L2 beside the panel group (see GEMM_X_BYTES) */
             int64_t mc = GEMM_X_BYTES > 0 ? GEMM_X_BYTES / (K * (int64_t)sizeof(float)) : M;
             mc = mc < 4 * GM ? 4 * GM : mc - mc % GM;
@@ -349,12 +487,16 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
                     const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
                     const char *pf = (const char *)(wp + (p + GP) * panel_floats);
                     const int64_t lines = next * K * NR * (int64_t)sizeof(float) / 64;
+                    const int spread_mode = !KVF_GEMM_PREFETCH_EVEN || tiles < 2 || tiles > 16 ? KVF_UP_FRONT
+                                            : tiles <= 4 && KVF_PREFETCH_RUNS > 1              ? KVF_EVEN_RUNS
+                                            : tiles >= 4                                       ? KVF_EVEN
+                                                                                               : KVF_UP_FRONT;
                     for (int64_t i = m0, t = 0; i < me; i += GM, t++) {
                         const int mr = (int)(me - i < GM ? me - i : GM);
                         const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
                         gemm512_block(xp + t * GM * K, K, wp + p * panel_floats, panel_floats, mr, np, y + i * N, N,
                                       p * NR, bias, pf + 64 * l0, l1 - l0,
-                                      KVF_GEMM_PREFETCH_EVEN && tiles >= 4 && tiles <= 16);
+                                      spread_mode);
                     }
                 }
             }
