@@ -186,15 +186,15 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
  * (16-64 rows) is neither compute- nor memory-bound alone: without it the first row tile of each group
  * waits on DRAM and the later ones leave the memory bus idle. How the share is issued depends on the
  * number of row tiles (measured on a 2-core Xeon, a decode step's linears out of DRAM, default model):
- *  - 2 to 4 tiles (15-32 rows; 9-14 rows take the wide tile below): evenly over the tile's k loop, up to
+ *  - 2 to 8 tiles (15-64 rows; 9-14 rows take the wide tile below): evenly over the tile's k loop, up to
  *    three lines a step, as KVF_PREFETCH_RUNS interleaved runs (see there);
- *  - 5 to 16 tiles (33-128 rows): evenly, in order. Issued up front, the prefetches held the core's few L1
+ *  - 9 to 16 tiles (65-128 rows): evenly, in order. Issued up front, the prefetches held the core's few L1
  *    miss buffers that the tile's own weight loads (L2 hits) need: 32-128 rows took 6-10% less time spread
- *    evenly;
+ *    evenly (in order, before the runs);
  *  - one tile: one to three lines a k step from the first step (it carries the whole next group);
  *  - more tiles (prefill chunks): the same up-front issue, a few lines a tile (spread was 2-4% slower).
- * With -DKVF_PREFETCH_RUNS=1 -DWIDE_MAX=0, 2-3 tiles issue up front and 9-14 rows take two 8-row tiles, as
- * before the runs (an A/B build).
+ * With -DKVF_PREFETCH_RUNS=1 -DWIDE_MAX=0, 2-3 tiles issue up front, 4-8 in order, and 9-14 rows take two
+ * 8-row tiles, as before the runs (an A/B build).
  * Tested branches, not an inner loop: a loop's bookkeeping per k cost the tile more than it hid.
  * KVF_GEMM_PREFETCH_EVEN=0 issues every share up front (the A/B in benchmarks/linear_kernels.py --step). */
 #ifndef KVF_GEMM_PREFETCH
@@ -205,11 +205,11 @@ static void store(const float *tile_out, int mr, float *y, int64_t N, int64_t n0
 #endif
 /* Runs of a spread share: a tile's share of the next group, spread over its k loop, is issued as this many
  * interleaved runs (prefetch i goes to run i % RUNS, each run a contiguous stretch of the share) in the wide
- * tile (9-14 rows) and where a decode step has 2-4 row tiles (15-32 rows). Why: the prefetches then walk
+ * tile (9-14 rows) and where a decode step has 2-8 row tiles (15-64 rows). Why: the prefetches then walk
  * several 4 KiB pages at once instead of one line after the next; in one run, in order, the wide tile's
- * 9-14 rows took 19-22 ms a step's linears, as 4 runs 16.4-17.8 (8 rows: 16.5). Measured on the 2-core
- * AMX Xeon, a decode step's linears out of DRAM (`benchmarks/linear_kernels.py --step`); 2 runs were
- * slower than 4, 8 and 16 no faster. */
+ * 9-14 rows took 19-22 ms a step's 30 layers' linears, as 4 runs 16.4-17.8 (8 rows: 16.5); 33-40 rows
+ * (5 tiles) 32-34 -> 29-32 ms, 48-64 rows the same. Measured on the 2-core AMX Xeon, weights out of
+ * DRAM; 2 and 3 runs were slower than 4, 8 and 16 no faster. */
 #ifndef KVF_PREFETCH_RUNS
 #define KVF_PREFETCH_RUNS 4
 #endif
@@ -488,7 +488,7 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
                     const char *pf = (const char *)(wp + (p + GP) * panel_floats);
                     const int64_t lines = next * K * NR * (int64_t)sizeof(float) / 64;
                     const int spread_mode = !KVF_GEMM_PREFETCH_EVEN || tiles < 2 || tiles > 16 ? KVF_UP_FRONT
-                                            : tiles <= 4 && KVF_PREFETCH_RUNS > 1              ? KVF_EVEN_RUNS
+                                            : tiles <= 8 && KVF_PREFETCH_RUNS > 1              ? KVF_EVEN_RUNS
                                             : tiles >= 4                                       ? KVF_EVEN
                                                                                                : KVF_UP_FRONT;
                     for (int64_t i = m0, t = 0; i < me; i += GM, t++) {
