@@ -204,7 +204,7 @@ def decode_onednn_vs_panel(threads: list[int], tokens: int = 64, rounds: int = 3
               f"speed-up {best['onednn'] / best['panel']:.2f}x", flush=True)
 
 
-STEP_ROWS = (1, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 128)
+STEP_ROWS = (1, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64, 128, 1024)
 
 
 def read_bandwidth_gbs(mib: int = 1024) -> float:
