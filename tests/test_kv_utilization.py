@@ -159,3 +159,42 @@ def test_contiguous_bad_values(tiny_model_factory):
         LLM(model=path, log_ledger=False, kv_allocation="naive")
     with pytest.raises(ValueError, match="reserves"):
         _llm(path, "contiguous", num_kv_blocks=3)
+
+
+def test_closed_form_fill_equals_the_block_walk():
+    """`measure` and `measure_request` skip the per-block walk when tables share no block and hold no null
+    block; on random tables (plain, shared, windowed) they give what the walk gives."""
+    import random
+    from types import SimpleNamespace
+
+    from kvforge.kv.utilization import _table_fill
+
+    def walk(tables: dict[str, list[int]], stored: dict[str, int], null: int, bs: int) -> tuple[int, int]:
+        fill: dict[int, int] = {}
+        for rid, table in tables.items():
+            for block, n in _table_fill(table, null, stored[rid], bs):
+                fill[block] = max(fill.get(block, 0), n)
+        return sum(fill.values()), len(fill) * bs
+
+    rng = random.Random(0)
+    for case in range(300):
+        bs, null = rng.choice((1, 4, 16)), 0
+        tables, stored, next_id = {}, {}, 1
+        for r in range(rng.randint(1, 6)):
+            blocks = [next_id + i for i in range(rng.randint(0, 8))]
+            next_id += len(blocks)
+            if tables and case % 3 == 1:  # a shared prefix
+                blocks = list(tables["r0"][: rng.randint(0, len(tables["r0"]))]) + blocks
+            if case % 3 == 2:  # the first blocks left a sliding window: null placeholders
+                gone = rng.randint(0, len(blocks))
+                blocks = [null] * gone + blocks[gone:]
+            tables[f"r{r}"] = blocks
+            stored[f"r{r}"] = rng.randint(0, len(blocks) * bs + 3)
+        kv = SimpleNamespace(block_size=bs, pools=[SimpleNamespace(null_block=SimpleNamespace(block_id=null))],
+                             block_ids=lambda rid, t=tables: [t[rid]])
+        u = measure(kv, stored)  # type: ignore[arg-type]
+        assert (u.tokens_stored, u.slots_allocated) == walk(tables, stored, null, bs), case
+        for rid in tables:
+            v = measure_request(kv, rid, stored[rid])  # type: ignore[arg-type]
+            own = [(b, n) for b, n in _table_fill(tables[rid], null, stored[rid], bs)]
+            assert (v.tokens_stored, v.slots_allocated) == (sum(n for _, n in own), len(own) * bs), (case, rid)

@@ -46,10 +46,34 @@ def _group_tables(kv: KVCacheCoordinator, request_ids: Iterable[str]) -> Iterabl
         yield g, pool.null_block.block_id, {rid: per_group[g] for rid, per_group in ids.items()}
 
 
+def _plain_fill(tables: Mapping[str, list[int]], null_id: int, num_stored: Mapping[str, int],
+                block_size: int) -> tuple[int, int] | None:
+    """(tokens, slots) of tables that share no block and hold no null block, else None.
+
+    Why: this runs after every step over every running request's table; in the common case (no prefix
+    hits, forks or windows) a table's blocks fill in order, so it stores min(tokens, blocks x size)
+    tokens, and the per-block walk below (~1 ms a step at 32 requests) is not needed."""
+    total = 0
+    tokens = 0
+    seen: set[int] = set()
+    for rid, table in tables.items():
+        seen.update(table)
+        total += len(table)
+        tokens += min(num_stored[rid], len(table) * block_size)
+    if len(seen) != total or null_id in seen:
+        return None
+    return tokens, total * block_size
+
+
 def measure(kv: KVCacheCoordinator, num_stored: Mapping[str, int]) -> KVUtilization:
     """Utilization of the blocks held by the requests of `num_stored` (request id -> tokens written)."""
     tokens = slots = 0
     for _, null_id, tables in _group_tables(kv, num_stored):
+        plain = _plain_fill(tables, null_id, num_stored, kv.block_size)
+        if plain is not None:
+            tokens += plain[0]
+            slots += plain[1]
+            continue
         fill: dict[int, int] = {}
         for rid, table in tables.items():
             for block_id, n in _table_fill(table, null_id, num_stored[rid], kv.block_size):
@@ -68,7 +92,12 @@ def measure_request(kv: KVCacheCoordinator, request_id: str, num_stored: int) ->
     """One request's own view: the slots its tables hold and the tokens written in them."""
     tokens = slots = 0
     for _, null_id, tables in _group_tables(kv, [request_id]):
-        for _, n in _table_fill(tables[request_id], null_id, num_stored, kv.block_size):
+        table = tables[request_id]
+        if null_id not in table:  # blocks fill in order: the walk below, in closed form
+            tokens += min(num_stored, len(table) * kv.block_size)
+            slots += len(table) * kv.block_size
+            continue
+        for _, n in _table_fill(table, null_id, num_stored, kv.block_size):
             tokens += n
             slots += kv.block_size
     return KVUtilization(tokens, slots)
