@@ -24,6 +24,13 @@ from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvforge.kv.cache_tensors import LayerKVCache
 
 
+def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The flattened batch's `rows` of `hidden`; a decode step samples every row, and takes no gather."""
+    if rows == list(range(hidden.shape[0])):
+        return hidden
+    return hidden[torch.tensor(rows, device=hidden.device)]
+
+
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, caches: list[LayerKVCache], layer_groups: list[int], block_size: int,
@@ -185,7 +192,7 @@ class ModelRunner:
         if rows is not None:
             if not rows:
                 return None
-            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            hidden = sampled_rows(hidden, rows)
         return self.model.compute_logits(hidden).cpu()
 
     def release(self, request_id: str) -> None:

@@ -97,7 +97,9 @@ class _Rank:
         if rows is not None:
             if not rows:
                 return None
-            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+            from kvforge.engine.model_runner import sampled_rows
+
+            hidden = sampled_rows(hidden, rows)
         logits = self.model.compute_logits(hidden)  # every rank joins the all-gather
         return logits.cpu() if self.rank == 0 else None
 
