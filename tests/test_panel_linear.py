@@ -388,3 +388,24 @@ def test_ledger_names_the_bf16_gemm_tile_in_use(monkeypatch, bf16_gemm):
     model = nn.ModuleList([linear.Linear(64, 48).to(torch.bfloat16)])
     assert linear.pack_linear_weights(model) == 1
     assert f"KVFORGE_BF16_GEMM={bf16_gemm}" in _describe_linear(model)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the AVX-512 GEMM tiles")
+def test_gated_gemm_is_bitwise_the_matmul_then_silu_mul():
+    """`panel_linear_silu_mul` (gate|up matmul and SiLU-and-multiply in one call) gives the bits of
+    `panel_linear` then `fused.silu_mul` (each held to its own reference by other tests), at decode and prefill
+    row counts, odd K and several widths; where it
+    cannot fuse (I not whole panels, bf16) it says so with None."""
+    from kvforge.models import fused
+
+    torch.manual_seed(5)
+    for m, k, inter in ((1, 576, 1536), (9, 64, 48), (14, 100, 16), (17, 576, 80), (33, 131, 1536),
+                        (300, 576, 1536), (1030, 64, 32)):
+        x, w = torch.randn(m, k), pl.pack_panels(torch.randn(2 * inter, k))
+        h = pl.panel_linear_silu_mul(x, w)
+        assert h is not None and h.shape == (m, inter)
+        ref = fused.silu_mul(pl.panel_linear(x, w))
+        assert torch.equal(h, ref), (m, k, inter, (h - ref).abs().max().item())
+    assert pl.panel_linear_silu_mul(torch.randn(3, 8), pl.pack_panels(torch.randn(2 * 24, 8))) is None  # I = 24
+    assert pl.panel_linear_silu_mul(torch.randn(3, 8).bfloat16(), pl.pack_panels(torch.randn(64, 8).bfloat16())) is None
+

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvforge.models.panel_linear import PanelWeight, pack_panels, panel_linear
+from kvforge.models.panel_linear import PanelWeight, pack_panels, panel_linear, panel_linear_silu_mul
 from kvforge.models.panel_linear import available as panel_kernel_available
 from kvforge.models.panel_linear import simd as panel_kernel_simd
 from kvforge.models.panel_linear import unavailable_reason as panel_unavailable_reason
@@ -165,6 +165,14 @@ class Linear(nn.Linear):
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this packed gate|up layer's output in one call (`panel_linear_silu_mul`), or None
+        where the panel kernel would not run this call or cannot fuse it: the caller then runs `forward`."""
+        pw = self.panel_weight
+        if pw is None or self.bias is not None or (self.onednn_weight is not None and x.numel() > PANEL_DECODE_ROWS * pw.k):
+            return None
+        return panel_linear_silu_mul(x, pw)
 
     def pack(self, batch_hint: int = PACK_BATCH_HINT, keep_dense_copy: bool = False, backend: str | None = None) -> bool:
         """Replace the dense weight by its packed layout(s) (inference only): oneDNN's, the panel kernel's

@@ -40,6 +40,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_nr.argtypes = []
     lib.kvf_panel_simd.restype = _C
     lib.kvf_panel_simd.argtypes = []
+    lib.kvf_panel_linear_silu_mul.restype = _C
+    lib.kvf_panel_linear_silu_mul.argtypes = [_P, _I, _I, _P, _I, _P, _C]
 
 
 LIBRARY = NativeLibrary(
@@ -200,3 +202,28 @@ def panel_linear(x: torch.Tensor, pw: PanelWeight, bias: torch.Tensor | None = N
     run(x2.data_ptr(), m, pw.k, pw.packed.data_ptr(), pw.n, bias.data_ptr() if bias is not None else None,
         y.data_ptr(), num_threads or torch.get_num_threads())
     return y.view(*lead, pw.n)
+
+
+# KVFORGE_GATED_GEMM=0: a gated MLP's gate|up matmul and its SiLU-and-multiply stay two calls (A/B runs).
+GATED_GEMM = os.environ.get("KVFORGE_GATED_GEMM", "1") != "0"
+
+
+def panel_linear_silu_mul(x: torch.Tensor, pw: PanelWeight, num_threads: int | None = None) -> torch.Tensor | None:
+    """silu(gate) * up of `x @ W^T` for a packed gate|up fp32 weight W [2I, K] (gate rows first), in one
+    call that never writes the gate|up product out (`kvf_panel_linear_silu_mul`); bitwise what
+    `panel_linear` then `fused.silu_mul` give. None where it cannot run (not fp32, I not a multiple of the
+    panel width, no AVX-512, KVFORGE_GATED_GEMM=0): the caller makes the two calls."""
+    if not GATED_GEMM or pw.dtype != torch.float32 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    lib = LIBRARY.load()
+    if lib is None or pw.n % (2 * lib.kvf_panel_nr()) or x.shape[-1] != pw.k:
+        return None
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, pw.k).contiguous()
+    m, inter = x2.shape[0], pw.n // 2
+    h = torch.empty(m, inter, dtype=torch.float32)
+    if m == 0:
+        return h.view(*lead, inter)
+    done = lib.kvf_panel_linear_silu_mul(x2.data_ptr(), m, pw.k, pw.packed.data_ptr(), pw.n, h.data_ptr(),
+                                         num_threads or torch.get_num_threads())
+    return h.view(*lead, inter) if done else None

@@ -14,6 +14,7 @@
  * AVX2 + FMA intrinsics where the compiler targets them; otherwise a plain-C loop with the same order of
  * k-accumulation per column (results equal within fp32 rounding: FMA rounds once per step, mul+add twice).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,10 @@
 #else
 #define KVF_SIMD 0
 #endif
+
+/* The gated epilogue's exp: glibc's vector expf (libmvec) under `omp simd`, as fused_ops.c's SiLU calls it,
+ * without -ffast-math (which would set flush-to-zero for the whole process on load). */
+float expf(float) __attribute__((simd("notinbranch")));
 
 #define NR 16 /* output columns per panel: two 8-float AVX2 registers */
 #define MR 6  /* rows per GEMM microkernel tile: 12 accumulators + 2 weight + 1 broadcast registers */
@@ -447,6 +452,34 @@ static float *pack_buffer(int64_t floats) {
     }
     return buf;
 }
+
+/* Rows a pass over the thread's panels takes: a chunk whose x fits in L2 beside the panel group (see
+ * GEMM_X_BYTES), whole tiles of GM rows. */
+static int64_t rows_per_pass(int64_t M, int64_t K) {
+    const int64_t mc = GEMM_X_BYTES > 0 ? GEMM_X_BYTES / (K * (int64_t)sizeof(float)) : M;
+    return mc < 4 * GM ? 4 * GM : mc - mc % GM;
+}
+
+/* x rows [m0, me) as the pass's tiles of GM interleaved rows (`pack_rows`). */
+static void pack_pass(const float *x, int64_t K, int64_t m0, int64_t me, float *xp) {
+    for (int64_t i = m0, t = 0; i < me; i += GM, t++)
+        pack_rows(x + i * K, K, (int)(me - i < GM ? me - i : GM), xp + t * GM * K);
+}
+
+/* Lines of the panel group after the one at p (up to GP panels before p1), which this group's tiles
+ * prefetch (contiguous: panels lie one after another). */
+static int64_t next_group_lines(int64_t p, int64_t p1, int64_t K) {
+    const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
+    return next * K * NR * (int64_t)sizeof(float) / 64;
+}
+
+/* How a pass's `tiles` row tiles spread their shares of the next group (see KVF_GEMM_PREFETCH_EVEN). */
+static int spread_mode_for(int64_t tiles) {
+    return !KVF_GEMM_PREFETCH_EVEN || tiles < 2 || tiles > 16 ? KVF_UP_FRONT
+           : tiles <= 8 && KVF_PREFETCH_RUNS > 1              ? KVF_EVEN_RUNS
+           : tiles >= 4                                       ? KVF_EVEN
+                                                              : KVF_UP_FRONT;
+}
 #endif
 
 void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
@@ -485,26 +518,18 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
                 p1 = p0; /* done: skip the loops below */
             }
         } else if (M >= GEMM512_MIN) {
-            /* rows in chunks whose x fits in L2 beside the panel group (see GEMM_X_BYTES) */
-            int64_t mc = GEMM_X_BYTES > 0 ? GEMM_X_BYTES / (K * (int64_t)sizeof(float)) : M;
-            mc = mc < 4 * GM ? 4 * GM : mc - mc % GM;
+            const int64_t mc = rows_per_pass(M, K);
             float *xp = pack_buffer(((mc < M ? mc : M) + GM) * K); /* NULL: no memory, the AVX2 loop runs */
             for (int64_t m0 = 0; m0 < M && xp; m0 += mc) {
                 const int64_t me = m0 + mc < M ? m0 + mc : M;
                 const int64_t tiles = (me - m0 + GM - 1) / GM;
-                for (int64_t i = m0, t = 0; i < me; i += GM, t++)
-                    pack_rows(x + i * K, K, (int)(me - i < GM ? me - i : GM), xp + t * GM * K);
+                pack_pass(x, K, m0, me, xp);
+                const int spread_mode = spread_mode_for(tiles);
                 for (int64_t p = p0; p < p1; p += GP) {
                     const int np = (int)(p1 - p < GP ? p1 - p : GP);
-                    /* the next panel group (contiguous: panels lie one after another), its lines shared out
-                     * among this group's row tiles */
-                    const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
+                    /* the next panel group, its lines shared out among this group's row tiles */
                     const char *pf = (const char *)(wp + (p + GP) * panel_floats);
-                    const int64_t lines = next * K * NR * (int64_t)sizeof(float) / 64;
-                    const int spread_mode = !KVF_GEMM_PREFETCH_EVEN || tiles < 2 || tiles > 16 ? KVF_UP_FRONT
-                                            : tiles <= 8 && KVF_PREFETCH_RUNS > 1              ? KVF_EVEN_RUNS
-                                            : tiles >= 4                                       ? KVF_EVEN
-                                                                                               : KVF_UP_FRONT;
+                    const int64_t lines = next_group_lines(p, p1, K);
                     for (int64_t i = m0, t = 0; i < me; i += GM, t++) {
                         const int mr = (int)(me - i < GM ? me - i : GM);
                         const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
@@ -537,4 +562,74 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
             }
         }
     }
+}
+
+/* h[M, I] = silu(x @ Wg^T) * (x @ Wu^T) on a packed gate|up weight (N2 = 2I rows: gate then up), I a
+ * multiple of NR. Why: a prefill chunk's gate|up output (1,024 x 3,072 floats, 12.6 MB) went out to memory
+ * and came back for SiLU-and-multiply, a pass that took ~1 ms a layer; here each row tile's gate and up
+ * columns stay in a 1.5 KiB scratch and only h (half the bytes) is written. The same GEMM tiles in the same
+ * k order and the same SiLU expression as fused_ops.c's kvf_silu_mul (x / (1 + exp(-x)) * u, 16 lanes of
+ * libmvec's expf at a time): h is bitwise what the two calls give. Returns 1, or 0 where it cannot run (no
+ * AVX-512, I not whole panels, no memory): the caller then makes the two calls. */
+#if KVF_SIMD && defined(__AVX512F__)
+static inline __attribute__((always_inline)) void silu_mul16(const float *g, const float *u, float *h) {
+#pragma omp simd simdlen(16)
+    for (int c = 0; c < 16; c++) h[c] = g[c] / (1.f + expf(-g[c])) * u[c];
+}
+#endif
+
+int kvf_panel_linear_silu_mul(const float *x, int64_t M, int64_t K, const float *wp, int64_t N2, float *h,
+                              int nthreads) {
+#if KVF_SIMD && defined(__AVX512F__)
+    const int64_t I = N2 / 2, Pg = I / NR, panel_floats = K * NR;
+    if (M < 1 || K < 1 || I < NR || I % NR || N2 % 2) return 0;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > Pg) nthreads = (int)Pg;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+        const int64_t tid = 0, nth = 1;
+#endif
+        /* this thread's gate panels [p0, p1) and their up panels [Pg + p0, Pg + p1) */
+        const int64_t p0 = Pg * tid / nth, p1 = Pg * (tid + 1) / nth;
+        const int64_t mc = rows_per_pass(M, K);
+        float *xp = pack_buffer(((mc < M ? mc : M) + GM) * K);
+        float gate[GM * GP * NR] __attribute__((aligned(64))), up[GM * GP * NR] __attribute__((aligned(64)));
+        if (!xp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t m0 = 0; m0 < M && xp; m0 += mc) {
+            const int64_t me = m0 + mc < M ? m0 + mc : M;
+            const int64_t tiles = (me - m0 + GM - 1) / GM;
+            pack_pass(x, K, m0, me, xp);
+            const int spread_mode = spread_mode_for(tiles);
+            for (int64_t p = p0; p < p1; p += GP) {
+                const int np = (int)(p1 - p < GP ? p1 - p : GP);
+                /* the next gate and up groups, each tile a share of each (as kvf_panel_linear) */
+                const char *pf_gate = (const char *)(wp + (p + GP) * panel_floats);
+                const char *pf_up = (const char *)(wp + (Pg + p + GP) * panel_floats);
+                const int64_t lines = next_group_lines(p, p1, K);
+                for (int64_t i = m0, t = 0; i < me; i += GM, t++) {
+                    const int mr = (int)(me - i < GM ? me - i : GM);
+                    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+                    gemm512_block(xp + t * GM * K, K, wp + p * panel_floats, panel_floats, mr, np, gate, GP * NR, 0,
+                                  NULL, pf_gate + 64 * l0, l1 - l0, spread_mode);
+                    gemm512_block(xp + t * GM * K, K, wp + (Pg + p) * panel_floats, panel_floats, mr, np, up, GP * NR,
+                                  0, NULL, pf_up + 64 * l0, l1 - l0, spread_mode);
+                    for (int r = 0; r < mr; r++)
+                        for (int c = 0; c < np * NR; c += 16)
+                            silu_mul16(gate + r * GP * NR + c, up + r * GP * NR + c, h + (i + r) * I + p * NR + c);
+                }
+            }
+        }
+    }
+    return !failed;
+#else
+    (void)x, (void)M, (void)K, (void)wp, (void)N2, (void)h, (void)nthreads;
+    return 0;
+#endif
 }
