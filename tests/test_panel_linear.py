@@ -409,3 +409,27 @@ def test_gated_gemm_is_bitwise_the_matmul_then_silu_mul():
     assert pl.panel_linear_silu_mul(torch.randn(3, 8), pl.pack_panels(torch.randn(2 * 24, 8))) is None  # I = 24
     assert pl.panel_linear_silu_mul(torch.randn(3, 8).bfloat16(), pl.pack_panels(torch.randn(64, 8).bfloat16())) is None
 
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the AVX-512 GEMM tiles")
+def test_gated_mlp_takes_the_one_call_on_fp32_panel_weights(monkeypatch):
+    """A packed fp32 `GatedMLP` runs its gate|up matmul and SiLU-and-multiply as one call, with the bits of
+    the two calls that `KVFORGE_GATED_GEMM=0` (here: `GATED_GEMM` off) keeps."""
+    from kvforge.models import linear as lin
+    from kvforge.models.layers import GatedMLP
+
+    torch.manual_seed(6)
+    mlp = GatedMLP(64, 96)
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        assert layer.pack(backend="panel")
+    x = torch.randn(40, 64)
+    calls = []
+    real = lin.panel_linear_silu_mul
+    monkeypatch.setattr(lin, "panel_linear_silu_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        fused_out = mlp(x)
+        assert calls, "the gated call was not taken"
+        monkeypatch.setattr(pl, "GATED_GEMM", False)
+        assert mlp.gate_up_proj.silu_mul(x) is None
+        two_calls = mlp(x)
+    assert torch.equal(fused_out, two_calls)

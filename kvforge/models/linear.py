@@ -158,9 +158,16 @@ class Linear(nn.Linear):
             return self.packed_nbytes
         return self.weight.numel() * self.weight.element_size()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _panel_for(self, x: torch.Tensor) -> PanelWeight | None:
+        """The panel layout when the panel kernel takes this call (with `both`, decode rows only), else None."""
         pw = self.panel_weight
         if pw is not None and (self.onednn_weight is None or x.numel() <= PANEL_DECODE_ROWS * pw.k):
+            return pw
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pw = self._panel_for(x)
+        if pw is not None:
             return panel_linear(x, pw, self.bias)
         if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
@@ -169,8 +176,8 @@ class Linear(nn.Linear):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this packed gate|up layer's output in one call (`panel_linear_silu_mul`), or None
         where the panel kernel would not run this call or cannot fuse it: the caller then runs `forward`."""
-        pw = self.panel_weight
-        if pw is None or self.bias is not None or (self.onednn_weight is not None and x.numel() > PANEL_DECODE_ROWS * pw.k):
+        pw = self._panel_for(x)
+        if pw is None or self.bias is not None:
             return None
         return panel_linear_silu_mul(x, pw)
 

@@ -466,10 +466,10 @@ static void pack_pass(const float *x, int64_t K, int64_t m0, int64_t me, float *
         pack_rows(x + i * K, K, (int)(me - i < GM ? me - i : GM), xp + t * GM * K);
 }
 
-/* Lines of the panel group after the one at p (up to GP panels before p1), which this group's tiles
- * prefetch (contiguous: panels lie one after another). */
-static int64_t next_group_lines(int64_t p, int64_t p1, int64_t K) {
-    const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
+/* Lines of the group of `g` panels after the one at p (up to p1), which this group's tiles prefetch
+ * (contiguous: panels lie one after another). */
+static int64_t next_group_lines(int64_t p, int64_t p1, int64_t g, int64_t K) {
+    const int64_t next = p + g < p1 ? (p1 - p - g < g ? p1 - p - g : g) : 0;
     return next * K * NR * (int64_t)sizeof(float) / 64;
 }
 
@@ -510,8 +510,7 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
                 pack_wide(x, M, K, xw);
                 for (int64_t p = p0; p < p1; p += 2) {
                     const int np = (int)(p1 - p < 2 ? p1 - p : 2);
-                    const int64_t next = p + 2 < p1 ? (p1 - p - 2 < 2 ? p1 - p - 2 : 2) : 0;
-                    const int64_t lines = next * K * NR * (int64_t)sizeof(float) / 64;
+                    const int64_t lines = next_group_lines(p, p1, 2, K);
                     wide_block(xw, K, wp + p * panel_floats, panel_floats, (int)M, np, y, N, p * NR, bias,
                                (const char *)(wp + (p + 2) * panel_floats), lines);
                 }
@@ -529,7 +528,7 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
                     const int np = (int)(p1 - p < GP ? p1 - p : GP);
                     /* the next panel group, its lines shared out among this group's row tiles */
                     const char *pf = (const char *)(wp + (p + GP) * panel_floats);
-                    const int64_t lines = next_group_lines(p, p1, K);
+                    const int64_t lines = next_group_lines(p, p1, GP, K);
                     for (int64_t i = m0, t = 0; i < me; i += GM, t++) {
                         const int mr = (int)(me - i < GM ? me - i : GM);
                         const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
@@ -612,7 +611,7 @@ int kvf_panel_linear_silu_mul(const float *x, int64_t M, int64_t K, const float 
                 /* the next gate and up groups, each tile a share of each (as kvf_panel_linear) */
                 const char *pf_gate = (const char *)(wp + (p + GP) * panel_floats);
                 const char *pf_up = (const char *)(wp + (Pg + p + GP) * panel_floats);
-                const int64_t lines = next_group_lines(p, p1, K);
+                const int64_t lines = next_group_lines(p, p1, GP, K);
                 for (int64_t i = m0, t = 0; i < me; i += GM, t++) {
                     const int mr = (int)(me - i < GM ? me - i : GM);
                     const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
