@@ -16,6 +16,7 @@ import torch
 from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
 from kvforge.engine.dtype_choice import resolve_dtype
+from kvforge.engine.errors import EngineFatal, StepFailed
 from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
@@ -33,18 +34,6 @@ from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parall
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
 from kvforge.progress import StageProgress
-
-
-class EngineFatal(RuntimeError):
-    """The engine itself cannot continue (e.g. a tensor-parallel rank died): `step` raises it unwrapped."""
-
-
-class StepFailed(RuntimeError):
-    """Running a step raised; `request_ids` are the caller requests scheduled in it (the cause is chained)."""
-
-    def __init__(self, request_ids: list[str]) -> None:
-        super().__init__(f"engine step failed for requests {request_ids}")
-        self.request_ids = request_ids
 
 
 @dataclass
@@ -132,7 +121,9 @@ class LLMEngine:
         if self.executor is not None:
             from kvforge.engine.parallel.setup import init_tensor_parallel_caches
 
-            self.runner, self.report = init_tensor_parallel_caches(self, groups, layer_groups, max_model_len)
+            self.runner, self.report = init_tensor_parallel_caches(
+                self.executor, config, cfg, self.cache_format, groups, layer_groups,
+                [self.kv.pools[g].num_physical_blocks for g in layer_groups], max_model_len)
         else:
             caches = make_layer_caches(
                 cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
