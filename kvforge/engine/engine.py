@@ -52,7 +52,7 @@ class LLMEngine:
         from kvforge.models.loader import DEFAULT_MODEL_NAME, load_checkpoint
 
         self.config = config
-        opts = config.model_config
+        opts = config.model_options
         stages = ["reading weights", "building model", "packing linear layers"]
         with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
             checkpoint = load_checkpoint(opts.model)
@@ -62,7 +62,7 @@ class LLMEngine:
             self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
-            opts = config.model_config
+            opts = config.model_options
             self.executor = None
             if config.parallel_config.tensor_parallel_size > 1:  # the ranks load their own shards (kvforge/distributed)
                 from kvforge.engine.parallel.executor import TensorParallelExecutor
@@ -88,7 +88,7 @@ class LLMEngine:
 
     def _init_cache_and_scheduler(self) -> None:
         config, cfg = self.config, self.model_config
-        opts, cache_cfg, sched = config.model_config, config.cache_config, config.scheduler_config
+        opts, cache_cfg, sched = config.model_options, config.cache_config, config.scheduler_config
         self.cache_format = cache_cfg.cache_format(opts.dtype)
         shape = cfg.kv_shape()
         if self.executor is not None:  # one device's share: its own KV heads (replicated when too few)

@@ -39,7 +39,7 @@ def init_tensor_parallel_caches(
 
     `per_layer`: each layer's block count (its group's pool, the null block included).
     """
-    opts, block_size = config.model_config, config.cache_config.block_size
+    opts, block_size = config.model_options, config.cache_config.block_size
     tp = config.parallel_config.tensor_parallel_size
     per_device = tensor_parallel_kv(cfg.kv_shape(), tp).per_device
     allocated = executor.call("caches", per_layer, layer_groups, fmt, block_size)
