@@ -51,10 +51,6 @@ class SchedulerOutput:
         return any(self.block_copies)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
     def is_empty(self) -> bool:
         return not self.chunks
 
