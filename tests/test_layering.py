@@ -136,3 +136,15 @@ def test_import_circles_are_found():
 
 def test_no_import_circles_between_modules():
     assert import_circles(module_graph()) == []
+
+
+def test_the_runner_holds_no_kv_bookkeeping():
+    """The runner (and a tensor-parallel rank) sees the KV cache only through `SchedulerOutput`: it imports
+    neither the coordinator and its pools nor the eviction tracker, and nothing imports the runner's
+    engine back (docs/DESIGN.md, "Data flow of one step")."""
+    bookkeeping = {"kvforge.kv.coordinator", "kvforge.kv.contiguous", "kvforge.kv.group_manager",
+                   "kvforge.kv.blocks", "kvforge.engine.kv_eviction", "kvforge.engine.engine"}
+    graph = module_graph()
+    for runner in ("kvforge.engine.model_runner", "kvforge.engine.runner_output", "kvforge.engine.parallel.worker",
+                   "kvforge.engine.parallel.executor"):
+        assert graph[runner] & bookkeeping == set(), runner

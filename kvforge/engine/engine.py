@@ -137,7 +137,7 @@ class LLMEngine:
         self.eviction: EvictionTracker | None = None
         if config.eviction_config.enabled:  # refused with tensor parallelism (EngineConfig)
             check_eviction_supported(cfg, len(groups))
-            self.eviction = self.runner.eviction = EvictionTracker(config.eviction_config, self.kv)
+            self.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.report.dtype_reason = self.dtype_reason
         if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
@@ -172,9 +172,7 @@ class LLMEngine:
         """
         if self.tiers is None:
             return
-        pool = self.kv.pools[0]
-        self.tiers.flush(self.runner.mover, [(b.block_id, b.block_hash, b.token_ids) for b in pool.blocks
-                                             if b.block_hash is not None and b.token_ids is not None])
+        self.tiers.flush(self.runner.mover, self.kv.take_block_exports() + self.kv.cached_block_exports())
         self.tiers.close()
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
@@ -284,7 +282,12 @@ class LLMEngine:
             if chunk.forks:
                 self.samples[chunk.request.group_id].extend(chunk.forks)
                 self.outputs.fork(chunk.forks)
-        results = self.runner.execute(sched_out)
+        if self.eviction is not None:  # scored policies: which rows' attention mass the runner returns
+            sched_out.attention_scoring = self.eviction.scoring_for(sched_out.chunks)
+        ran = self.runner.execute(sched_out)
+        results = ran.sampled
+        if self.eviction is not None:
+            self.eviction.collect(ran.attention_mass, sched_out.chunks)
         self.kv_usage.observe(self.kv, *stored_after_step(self.scheduler.running, sched_out.chunks))
         self.counters.num_steps += 1
         self.counters.num_prompt_tokens += sum(
@@ -330,7 +333,7 @@ class LLMEngine:
         if self.kv.allocate_slots(req, len(token_ids)) is None:
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
-            return self.runner.prompt_logits(req, self.kv.block_ids(req.request_id))
+            return self.runner.prompt_logits(req, self.kv.block_ids(req.request_id), self.kv.take_block_exports())
         finally:
             self.kv.free(req)
 
