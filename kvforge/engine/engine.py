@@ -299,7 +299,7 @@ class LLMEngine:
             for req in sched_out.preempted:  # recompute starts over: scores go with the blocks
                 self.eviction.release(req.request_id)
             for req in advanced:  # caught up with its tokens: cut to the budget (the prompt once, then a block at a time)
-                evicted = self.eviction.enforce(req)
+                evicted = self.eviction.evict_if_due(req)
                 self.counters.num_evicted_blocks += evicted
                 self.counters.num_evicted_tokens += evicted * self.kv.block_size
         self.counters.num_generation_tokens += len(advanced)

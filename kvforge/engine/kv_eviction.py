@@ -5,7 +5,7 @@ side of the runner. Each step it says which query rows to score (`SchedulerOutpu
 adds the per-token mass the runner returns (`ModelRunnerOutput.attention_mass`) to each sequence's
 running scores, and after the scheduler's update cuts every sequence
 that has computed all its known tokens down to `budget // block_size` full blocks plus its tail
-(`KVCacheCoordinator.compact_blocks`). Scores live in cache coordinates and are compacted with the table.
+(`KVCacheCoordinator.evict_blocks`). Scores live in cache coordinates and close up with the table.
 
 Preemption drops a sequence's scores with its blocks: recompute prefills the prompt and the tokens
 generated so far as one new prompt, with the full KV, then cuts it once by the policy's prompt-end rule
@@ -194,13 +194,13 @@ class EvictionTracker:
         return s
 
     # ---- eviction ---------------------------------------------------------------------------
-    def enforce(self, req: Request) -> int:
-        """Cut `req` to its budget once it has computed every known token; returns blocks evicted."""
+    def evict_if_due(self, req: Request) -> int:
+        """Evict `req` down to its budget once it has computed every known token; returns blocks evicted."""
         if req.kv_budget is None or req.is_finished or req.num_computed_tokens < req.num_tokens - 1:
             return 0
-        return self.cut(req)
+        return self.evict(req)
 
-    def cut(self, req: Request) -> int:
+    def evict(self, req: Request) -> int:
         """Evict `req`'s full blocks beyond its budget by the policy's rule now; returns how many."""
         assert req.kv_budget is not None
         bs, cfg = self.block_size, self.config
@@ -220,7 +220,7 @@ class EvictionTracker:
         keep = blocks_to_keep(cfg.policy, num_full, budget_blocks, cfg.sink_blocks(bs), cfg.recent_blocks(bs, req.kv_budget),
                               block_scores)
         logical = self.logical_blocks(req)
-        evicted = self.kv.compact_blocks(req, keep)
+        evicted = self.kv.evict_blocks(req, keep)
         req.num_evicted_tokens += evicted * bs
         req.evicted_tokens_total += evicted * bs
         req.evicted_blocks_total += evicted

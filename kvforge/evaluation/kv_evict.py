@@ -159,7 +159,7 @@ class KVEvictEval:
                 logits.append(step_logits)
                 req.num_computed_tokens = start + n
                 if budget is not None:
-                    eng.eviction.cut(req)
+                    eng.eviction.evict(req)
         finally:
             eng.kv.free(req)
             if eng.eviction is not None:

@@ -289,22 +289,14 @@ class KVCacheCoordinator:
             counts[hit.tier if isinstance(hit, TierHit) else "device"] += self.block_size
         return counts
 
-    def drop_blocks(self, request_id: str, group: int, indices: Sequence[int]) -> int:
-        """Lossy eviction: free the blocks at `indices` of one group's table, null block in their place.
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+        """KV eviction (one-group models): keep only the full blocks at `keep`; the table closes up.
 
-        Table positions keep their meaning (index i holds tokens [i * block_size, (i + 1) * block_size));
-        attention must mask the dropped positions. Returns how many blocks went back to the pool.
+        Positions shift: the caller advances the request's `num_evicted_tokens` by the returned blocks x
+        block_size, and attention reads a shorter table with no mask (no null block is left in it).
         """
-        return self.managers[group].drop_blocks(request_id, indices)
-
-    def compact_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
-        """Lossy eviction that closes up the table (one-group models): keep only the full blocks at `keep`.
-
-        Unlike `drop_blocks`, positions shift: the caller advances the request's `num_evicted_tokens`
-        by the returned blocks x block_size, and attention reads a shorter, unmasked table.
-        """
-        assert self.num_groups == 1, "compacting eviction serves one-group models"
-        return self.managers[0].compact_blocks(req, keep)
+        assert self.num_groups == 1, "KV eviction serves one-group models"
+        return self.managers[0].evict_blocks(req, keep)
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """`child` shares every block of `parent` in every group; its hash chain starts as a copy."""

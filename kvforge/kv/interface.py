@@ -13,13 +13,10 @@ Shapes, always per KV cache group (a plain model has exactly one group):
 `KVCacheCoordinatorProtocol` is the public contract. Two features build on it
 (docs/DESIGN.md, "KV coordinator contract"):
 
-- Lossy eviction (dropping KV from the middle of a sequence): `drop_blocks`
-  replaces chosen blocks of one group's table by the group's null block and
-  frees them to the pool (positions keep their meaning; attention must mask).
-  kvforge's eviction (`kv_eviction=...`, engine/kv_eviction.py) uses
-  `compact_blocks` instead: the table closes up, the request's
-  `num_evicted_tokens` shifts its cache coordinates, and attention reads a
-  shorter table with no mask, in every backend.
+- KV eviction (removing KV from the middle of a sequence, `kv_eviction=...`,
+  engine/kv_eviction.py): `evict_blocks` keeps chosen full blocks, the table
+  closes up, the request's `num_evicted_tokens` shifts its cache coordinates,
+  and attention reads a shorter table with no mask, in every backend.
 - KV tiers use `BlockPool.add_evict_listener` (a hook when a cached block leaves
   the device pool) and a `SecondaryKVCache`: a prefix lookup continues into it
   after the device misses, and the allocation that admits the request yields
@@ -70,6 +67,10 @@ class KVRequest(Protocol):
     def cache_salt(self) -> str | None: ...
     @property
     def block_hashes(self) -> list[BlockHash]: ...
+    @property
+    def num_evicted_tokens(self) -> int:
+        """KV eviction: tokens evicted from the middle of the sequence (cache length = computed - evicted)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -175,10 +176,6 @@ class KVCacheCoordinatorProtocol(Protocol):
 
     def block_ids(self, request_id: str) -> list[list[int]]: ...
     def num_held_blocks(self, request_id: str) -> list[int]: ...
-    def drop_blocks(self, request_id: str, group: int, indices: Sequence[int]) -> int:
-        """Lossy eviction: free the given blocks of one group's table (null block in their place)."""
-        ...
-
     def take_block_loads(self) -> list[KVLoad]:
         """KV tiers: the loads the allocations since the last call took (empty without tiers)."""
         ...
@@ -193,8 +190,8 @@ class KVCacheCoordinatorProtocol(Protocol):
         ...
 
     def swap_out(self, req: KVRequest) -> None: ...
-    def compact_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
-        """Lossy eviction that closes up the table: keep only the full blocks at `keep` (one-group models)."""
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+        """KV eviction: keep only the full blocks at `keep`, the table closing up (one-group models)."""
         ...
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None: ...
