@@ -42,15 +42,15 @@ def check_snapshot(engine: LLMEngine) -> dict:
     for g, (group, pool) in enumerate(zip(snap["groups"], kv.pools)):
         assert len(group["states"]) == pool.num_blocks
         held = Counter(b for r in snap["requests"] for b in r["tables"][g] if b != NULL_ID)
+        filled = {b for r in snap["requests"] for b in
+                  r["tables"][g][: -(-(r["num_computed"] - reqs[r["id"]].num_evicted_tokens) // kv.block_size)]}
         for block_id, ch in enumerate(group["states"]):
             n = held.get(block_id, 0)
             if n == 0:
                 assert ch in ".c", (g, block_id, ch)
                 assert (ch == "c") == (pool.blocks[block_id].block_hash is not None)
-            elif n == 1:
-                assert ch in "uw", (g, block_id, ch)
-            else:
-                assert ch in "sw", (g, block_id, ch)
+            elif ch != "w":
+                assert ch == ("r" if block_id not in filled else "u" if n == 1 else "s"), (g, block_id, ch)
         assert group["refs"] == {str(b): n for b, n in held.items() if n > 1}
         assert group["lru"] == [b for b in pool.free_queue if pool.blocks[b].block_hash is not None]
         assert sum(group["counts"].values()) == pool.num_blocks
@@ -90,9 +90,13 @@ def test_shared_prefix_shows_ref_counts_and_hit_lengths(gqa):
     assert shared <= set(tables["a"]) & set(tables["b"])
     admits = {e["request"]: e for e in events(engine, "admit")}
     assert admits["a"]["cached_tokens"] == 0 and admits["b"]["cached_tokens"] == 16
-    run_checked(engine)
+    snaps = run_checked(engine)
     final = check_snapshot(engine)
     assert final["groups"][0]["counts"]["cached"] == engine.kv.pool.num_cached_blocks
+    assert [h[0] for h in final["history"]] == list(range(1, final["step"] + 1))  # one gauge row a step
+    assert all(0 <= v <= 1 for h in final["history"] for v in h[1:4])
+    assert final["history"][-1][2] == engine.kv.stats.hit_rate
+    assert len(snaps) == final["step"] - 2
     assert not final["requests"]
 
 
@@ -168,6 +172,14 @@ def test_hybrid_model_has_a_map_per_group_with_null_blocks(tiny_model_factory):
     assert snaps[0]["num_groups"] == 2 and snaps[0]["groups"][1]["window"] is not None
     assert any(NULL_ID in r["tables"][1] for s in snaps for r in s["requests"])
     assert all(NULL_ID not in r["tables"][0] for s in snaps for r in s["requests"])
+
+
+def test_a_contiguous_reservation_shows_as_reserved_blocks(gqa):
+    engine = _engine(gqa, max_model_len=64, kv_allocation="contiguous")  # 16 blocks reserved per sequence
+    engine.add_request(None, GREEDY, list(range(10, 20)), request_id="a")
+    engine.step()
+    counts = check_snapshot(engine)["groups"][0]["counts"]
+    assert counts["written"] == 3 and counts["reserved"] == 13  # 10 prompt tokens + nothing in the other 13
 
 
 def test_gauges_price_contiguous_waste(gqa):

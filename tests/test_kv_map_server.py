@@ -177,7 +177,7 @@ def test_kvforge_top_in_tmux_shows_the_pool_line(server, tmp_path):
                 break
             time.sleep(0.2)
         blocks = on_engine(server, lambda e: e.kv.pools[0].num_blocks)
-        assert re.search(rf"pool g0 \[[w*=c.]+\] \d+/{blocks} held", screen), screen
+        assert re.search(rf"pool g0 \[[w*=rc.]+\] \d+/{blocks} held", screen), screen
         assert "REQUEST" in screen and "EVENTS" in screen
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
     finally:
@@ -201,3 +201,20 @@ def test_the_embedded_state_cannot_close_its_script_element():
     page = page_html({"requests": [{"id": "</script><script>alert(1)</script>"}]})
     embedded = page.split('<script id="kv-initial" type="application/json">', 1)[1].split("</script>", 1)[0]
     assert json.loads(embedded)["requests"][0]["id"] == "</script><script>alert(1)</script>"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_a_pool_of_100k_blocks_renders_as_ranges(tmp_path_factory, tmp_path):
+    srv = start_server(tiny_model_dir(tmp_path_factory), block_size=4, num_kv_blocks=100_001)
+    try:
+        dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                              f"--user-data-dir={tmp_path / 'profile'}", "--timeout=8000", "--dump-dom",
+                              srv.url + "/kv"], capture_output=True, text=True, timeout=120)
+        match = re.search(r'<pre id="kv-summary"[^>]*>(.*?)</pre>', dom.stdout, re.S)
+        assert match and match.group(1).strip(), dom.stderr[-2000:]
+        (group,) = json.loads(match.group(1).replace("&quot;", '"'))["groups"]
+        assert group["blocks_drawn"] == group["num_blocks"] == 100_000
+        assert group["cells"] <= 4096  # one cell per range of blocks
+        assert srv.app.state.kv_map_hub.build_seconds < 5  # sanity only: the pace adapts to it
+    finally:
+        srv.stop()

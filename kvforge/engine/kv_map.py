@@ -9,6 +9,7 @@ asks for a snapshot (`kv/block_map.py`), on the engine thread, between two steps
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from kvforge.kv.block_map import StepWrites, build_snapshot
@@ -21,8 +22,11 @@ if TYPE_CHECKING:
 
 
 class KVMapObserver:
-    def __init__(self, capacity: int = 512) -> None:
+    def __init__(self, capacity: int = 512, history: int = 300) -> None:
         self.events = KVEventLog(capacity)
+        # the gauges of the last `history` steps, so a page opened mid-run draws the curves from the start:
+        # (step, pool usage, prefix hit rate, utilization, waste of a contiguous reservation)
+        self.history: deque[tuple[int, float, float, float, float | None]] = deque(maxlen=history)
         self.step = 0
         self._running: set[str] = set()  # request ids running after the previous step
         self._chunks: list[tuple[int, int, list[list[int]]]] = []  # the last step's writes, read lazily
@@ -59,8 +63,16 @@ class KVMapObserver:
             self.events.record("reclaim", step, blocks=reclaimed - self._reclaimed)
         self._reclaimed = reclaimed
         self._running = {r.request_id for r in engine.scheduler.running}
+        self._record_gauges(engine)
         self._chunks = [(c.start, c.num_tokens, c.block_ids) for c in out.chunks]
         self._shifts = {i: c.request.num_evicted_tokens for i, c in enumerate(out.chunks) if c.request.num_evicted_tokens}
+
+    def _record_gauges(self, engine: "LLMEngine") -> None:
+        """O(1) a step: every input is a counter the engine keeps (utilization was measured this step)."""
+        kv, use = engine.kv, engine.kv_usage.last
+        contiguous = engine.scheduler_config.max_model_len * len(engine.scheduler.running) * kv.num_groups
+        waste = 1.0 - use.tokens_stored / contiguous if contiguous else None
+        self.history.append((self.step, kv.pool.usage, kv.stats.hit_rate, use.utilization, waste))
 
     def on_evict(self, req: "Request", num_blocks: int, policy: str) -> None:
         """An eviction policy dropped `num_blocks` of `req`'s blocks this step."""
@@ -78,4 +90,5 @@ class KVMapObserver:
         snap["events"] = self.events.since(since if since is not None else 0, max_events)
         snap["next_event"] = self.events.next_seq
         snap["preemptions"] = scheduler.num_preemptions
+        snap["history"] = [list(h) for h in self.history]
         return snap

@@ -18,6 +18,7 @@ Block states, one character per usable block of a group:
 | `u` | in use by one table |
 | `s` | shared: held by several tables (prefix hits, n > 1 forks); the count is in `refs` |
 | `w` | written by the last step (in use; the step's chunks wrote K/V into it) |
+| `r` | reserved: held by a table, but no token written in it yet (a contiguous reservation's sea of them) |
 
 Each group also owns one null block (id `num_blocks`), drawn apart: it stands in a table where a
 block was given back (out of a sliding window, or dropped by eviction) and holds nothing.
@@ -32,8 +33,9 @@ from kvforge.kv.blocks import BlockPool
 from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.kv.utilization import measure_running
 
-FREE, CACHED, IN_USE, SHARED, WRITTEN = ".", "c", "u", "s", "w"
-STATE_NAMES = {FREE: "free", CACHED: "cached", IN_USE: "in_use", SHARED: "shared", WRITTEN: "written"}
+FREE, CACHED, IN_USE, SHARED, WRITTEN, RESERVED = ".", "c", "u", "s", "w", "r"
+STATE_NAMES = {FREE: "free", CACHED: "cached", IN_USE: "in_use", SHARED: "shared", WRITTEN: "written",
+               RESERVED: "reserved"}
 NULL_ID = -1  # a table slot holding the null block, as the snapshot writes it
 
 
@@ -43,6 +45,7 @@ class MapRequest(Protocol):
     request_id: str
     num_computed_tokens: int
     num_cached_prompt_tokens: int
+    num_evicted_tokens: int
 
     @property
     def num_tokens(self) -> int: ...
@@ -76,8 +79,11 @@ class StepWrites:
         return out
 
 
-def pool_states(pool: BlockPool, written: set[int] | None = None) -> tuple[str, dict[int, int], list[int]]:
-    """(one state char per block, ref counts above 1, cached free blocks in eviction order)."""
+def pool_states(pool: BlockPool, written: set[int] | None = None,
+                filled: set[int] | None = None) -> tuple[str, dict[int, int], list[int]]:
+    """(one state char per block, ref counts above 1, cached free blocks in eviction order).
+
+    `filled`: the held blocks some table has written a token into (None: all of them)."""
     written = written or set()
     chars = []
     refs: dict[int, int] = {}
@@ -87,7 +93,12 @@ def pool_states(pool: BlockPool, written: set[int] | None = None) -> tuple[str, 
             continue
         if block.ref_cnt > 1:
             refs[block.block_id] = block.ref_cnt
-        chars.append(WRITTEN if block.block_id in written else SHARED if block.ref_cnt > 1 else IN_USE)
+        if block.block_id in written:
+            chars.append(WRITTEN)
+        elif filled is not None and block.block_id not in filled:
+            chars.append(RESERVED)
+        else:
+            chars.append(SHARED if block.ref_cnt > 1 else IN_USE)
     lru = [bid for bid, block in pool.free_queue.items() if block.block_hash is not None]
     return "".join(chars), refs, lru
 
@@ -108,7 +119,8 @@ def build_snapshot(kv: KVCacheCoordinator, running: Sequence[MapRequest], waitin
     groups = []
     for g, (manager, spec) in enumerate(zip(kv.managers, kv.groups)):
         pool = manager.pool
-        states, refs, lru = pool_states(pool, writes.blocks[g] if writes and g < len(writes.blocks) else None)
+        filled = _filled_blocks(manager.tables, running, kv.block_size)
+        states, refs, lru = pool_states(pool, writes.blocks[g] if writes and g < len(writes.blocks) else None, filled)
         groups.append({
             "index": g, "window": manager.sliding_window, "layers": len(spec.layers),
             "num_blocks": pool.num_blocks, "null_block": pool.null_block.block_id,
@@ -136,6 +148,17 @@ def build_snapshot(kv: KVCacheCoordinator, running: Sequence[MapRequest], waitin
         },
         "tiers": _tiers(tiers or {}),
     }
+
+
+def _filled_blocks(tables: Mapping[str, Sequence[Any]], running: Sequence[MapRequest], block_size: int) -> set[int]:
+    """Block ids that hold at least one written token of a running request (table index i holds
+    positions [i * block_size, (i + 1) * block_size) of the tokens its table keeps)."""
+    out: set[int] = set()
+    for req in running:
+        table = tables.get(req.request_id, ())
+        n = -(-(req.num_computed_tokens - req.num_evicted_tokens) // block_size)
+        out.update(b.block_id for b in table[:n])
+    return out
 
 
 def _request_entry(kv: KVCacheCoordinator, req: MapRequest, status: str) -> dict[str, Any]:

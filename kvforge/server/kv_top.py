@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-BAR_CHARS = (("written", "w"), ("shared", "*"), ("in_use", "="), ("cached", "c"), ("free", "."))
+BAR_CHARS = (("written", "w"), ("shared", "*"), ("in_use", "="), ("reserved", "r"), ("cached", "c"), ("free", "."))
 
 
 def pool_bar(counts: dict[str, int], width: int) -> str:
@@ -62,7 +62,7 @@ def render_frame(snap: dict[str, Any], url: str, width: int = 100, height: int =
         c = group["counts"]
         label = f"pool g{group['index']} "
         stats = (f" {group['num_blocks'] - c['free'] - c['cached']}/{group['num_blocks']} held, shared {c['shared']}, "
-                 f"cached {c['cached']}, written {c['written']}")
+                 f"cached {c['cached']}, reserved {c['reserved']}")
         bar_width = max(10, width - len(label) - len(stats) - 2)
         lines.append(f"{label}[{pool_bar(c, bar_width)}]{stats}")
     for t in snap["tiers"]:
@@ -70,7 +70,7 @@ def render_frame(snap: dict[str, Any], url: str, width: int = 100, height: int =
         fill = round(20 * frac)
         lines.append(f"{t['name']} tier [{'#' * fill}{'.' * (20 - fill)}] {t['used_bytes'] / 2**20:.1f} of "
                      f"{t['capacity_bytes'] / 2**20:.1f} MiB, stored {t['blocks_stored']}, loaded {t['blocks_loaded']}")
-    lines.append("legend: w written this step, * shared, = in use, c cached (reusable), . free")
+    lines.append("legend: w written this step, * shared, = in use, r reserved (empty), c cached (reusable), . free")
     lines.append("")
     lines.append(f"{'REQUEST':<28} {'STATUS':<8} {'TOKENS':>11} {'BLOCKS':>6} {'CACHED':>6}")
     reqs = snap["requests"]
