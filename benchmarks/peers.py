@@ -10,7 +10,7 @@ each in fp32 and bf16 weights, KV in the model dtype ("model") and in 8 bit ("8b
 OpenVINO u8; "fp8": kvforge fp8_e4m3 alone, OpenVINO's CPU cache has no fp8). Every (engine, dtype, kv,
 workload) runs in its own process.
 
-OpenVINO runs under another interpreter (it needs its own venv; see the recipe in README.md
+OpenVINO runs under another interpreter (it needs its own venv; see the recipe in docs/benchmarks.md
 "Peer benchmark") and an exported model folder:
 
     python benchmarks/peers.py --openvino-python /path/ovenv/bin/python --openvino-model /path/ov_fp32
