@@ -144,9 +144,9 @@ def report_for(
             scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
         kv_dtype += f" (scales {scales})"
     return StartupReport(
-        model=config.model_config.model or "SmolLM2-135M-Instruct (default)",
+        model=config.model_options.model or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,
-        dtype=config.model_config.dtype,
+        dtype=config.model_options.dtype,
         device=device,
         weights_bytes=weights,
         kv_dtype=kv_dtype,
@@ -159,7 +159,7 @@ def report_for(
         max_num_seqs=config.scheduler_config.max_num_seqs,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         groups=list(groups),
-        attention=describe_backend(config.model_config.attention_backend, device.split(":")[0]),
+        attention=describe_backend(config.model_options.attention_backend, device.split(":")[0]),
         linear=linear,
         kv_eviction=config.eviction_config.kv_eviction,
         kv_budget=config.eviction_config.kv_budget,
