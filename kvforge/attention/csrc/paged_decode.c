@@ -36,33 +36,12 @@
  * dtype codes: 0 float32, 1 bfloat16, 2 float16.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#define KVF_HAVE_MXCSR 1
-#endif
 
-/* Let `omp simd` loops call glibc's vector exp/tanh (libmvec) without -ffast-math: a shared object
- * built with -ffast-math would flush denormals to zero for the whole process on load. */
-float expf(float) __attribute__((simd("notinbranch")));
-float tanhf(float) __attribute__((simd("notinbranch")));
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFF + ((u >> 16) & 1); /* round to nearest even, as torch does */
-    return (uint16_t)(u >> 16);
-}
+#include "kvf_bf16.h"
+#include "kvf_omp.h"
 
 /* Load n elements of dtype `code` starting at p into dst as fp32. */
 static inline __attribute__((always_inline)) void load_row(float *restrict dst, const void *p, int n, int code) {
@@ -189,15 +168,10 @@ static inline __attribute__((always_inline)) const float *kv_row(
 
 /* One row decoded the kernels' way, for tests of every code of every format (same FTZ/DAZ mode). */
 int kvf_dequant_row(const kvf_kv *op, int64_t slot, int64_t h, int64_t n, int64_t BS, int compute, float *out) {
-#ifdef KVF_HAVE_MXCSR
-    const unsigned int saved_csr = _mm_getcsr();
-    _mm_setcsr(saved_csr | 0x8040);
-#endif
+    KVF_FTZ_BEGIN();
     const float *r = kv_row(out, op, slot, h, (int)n, BS, compute);
     if (r != out) memcpy(out, r, sizeof(float) * (size_t)n);
-#ifdef KVF_HAVE_MXCSR
-    _mm_setcsr(saved_csr);
-#endif
+    KVF_FTZ_END();
     return 0;
 }
 
@@ -1217,13 +1191,7 @@ int kvf_paged_decode(
 
 #pragma omp parallel
     {
-#ifdef KVF_HAVE_MXCSR
-        /* Peaky attention (sink tokens) makes many probabilities underflow to denormals, and
-         * arithmetic on denormals takes slow microcode assists: flush them to zero in this thread
-         * for the kernel's duration (they are below 1e-38) and restore the mode after. */
-        const unsigned int saved_csr = _mm_getcsr();
-        _mm_setcsr(saved_csr | 0x8040); /* FTZ | DAZ */
-#endif
+        KVF_FTZ_BEGIN(); /* denormals flushed in this thread (kvf_omp.h says why) */
         const int64_t n_max = max_len > 0 ? max_len : 1;
         float *qf = malloc(sizeof(float) * heads_per_item * G * D);
         float *scores = malloc(sizeof(float) * heads_per_item * G * n_max);
@@ -1584,9 +1552,7 @@ int kvf_paged_decode(
         free(vscale);
         free(acci);
         free(pinv);
-#ifdef KVF_HAVE_MXCSR
-        _mm_setcsr(saved_csr);
-#endif
+        KVF_FTZ_END();
     }
     free(order);
     return failed ? -1 : 0;
@@ -2153,9 +2119,8 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "kvf_amx.h"
+#if defined(__AVX512BF16__) && KVF_AMX_BUILT
 #define KVF_PREFILL_AMX 1
 /* bf16 prefill on AMX tiles (Xeons from Sapphire Rapids on). Why: there the tile unit multiplies bf16
  * several times faster than the vector units, and both products of an item map onto tiles with no
@@ -2167,23 +2132,9 @@ static void prefill_item_bf16(const prefill_item *it, const char *q, const kvf_k
  * the running max's correction only when it moved. Same exact products and bf16-rounded probabilities as
  * `prefill_item_bf16`; fp32 sums in the tile unit's order (denormals flushed, as the kernel's FTZ/DAZ).
  * Tiles: 0 scores, 1-2 K halves, 3-4 query halves, 5 a P.V block, 6 P^T, 7 V pairs. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) kvf_amx_config;
-
-static int prefill_amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
-
 static void prefill_amx_configure(void) {
     kvf_amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    kvf_amx_config_full(&cfg);
     cfg.colsb[6] = 32; /* P^T: 16 vectors x 16 keys bf16 */
     cfg.rows[7] = 8;   /* V: 8 pairs of keys x 16 dims */
     _tile_loadconfig(&cfg);
@@ -2412,7 +2363,7 @@ void kvf_set_bf16_fma(int on) { bf16_fma = on != 0; }
 static int bf16_amx = 0;
 int kvf_set_bf16_amx(int on) {
 #if KVF_PREFILL_AMX
-    bf16_amx = on != 0 && prefill_amx_permitted();
+    bf16_amx = on != 0 && kvf_amx_permitted();
 #else
     (void)on;
     bf16_amx = 0;
@@ -2459,10 +2410,7 @@ int kvf_paged_prefill(
     (void)lanes;
 #pragma omp parallel
     {
-#ifdef KVF_HAVE_MXCSR
-        const unsigned int saved_csr = _mm_getcsr();
-        _mm_setcsr(saved_csr | 0x8040); /* FTZ | DAZ, as in the decode kernel */
-#endif
+        KVF_FTZ_BEGIN(); /* as in the decode kernel */
         /* sized for both layouts: the lanes one needs 3 groups of 16 vectors (48 >= tile * G) */
         float *qf = aligned_alloc(64, sizeof(float) * 48 * 64);
         float *acc = aligned_alloc(64, sizeof(float) * 48 * 64);
@@ -2510,9 +2458,7 @@ int kvf_paged_prefill(
         free(lrun);
         free(kt);
         free(vf);
-#ifdef KVF_HAVE_MXCSR
-        _mm_setcsr(saved_csr);
-#endif
+        KVF_FTZ_END();
     }
     free(items);
     return failed ? -1 : 0;
