@@ -53,10 +53,11 @@ def bf16_fma_restored():
     """Tests that switch the bf16 prefill between VDPBF16PS and FMAs leave it as they found it."""
     from kvforge.attention import cpu_kernel
 
-    before, before_amx = cpu_kernel.bf16_fma(), cpu_kernel.bf16_amx()
+    before, before_amx, before_lanes = cpu_kernel.bf16_fma(), cpu_kernel.bf16_amx(), cpu_kernel.prefill_lanes()
     yield
     cpu_kernel.set_bf16_fma(before)
     cpu_kernel.set_bf16_amx(before_amx)
+    cpu_kernel.set_prefill_lanes(before_lanes)
 
 
 def set_bf16_prefill_path(path: str) -> None:
