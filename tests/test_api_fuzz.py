@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from kvforge import envs
 from server_fixtures import start_server, tiny_model_dir, wait_idle_and_check_blocks
 
+pytestmark = pytest.mark.slow  # schemathesis over every operation
+
 EXAMPLES = envs.KVFORGE_FUZZ_EXAMPLES
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 # (path, method, mode); a GET without parameters has no negative form

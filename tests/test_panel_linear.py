@@ -98,22 +98,23 @@ def test_packing_is_a_relayout():
     assert torch.equal(_dense(pw), w) and pw.nbytes == 48 * 19 * 4
 
 
-def _run_built_with(flags: str, tmp_path, body: str, simd: bool = False) -> None:
+def _run_built_with(flags: str, cache, body: str, simd: bool = False) -> None:
     """Run `body` (test code) in a fresh process whose kernels are built with KVFORGE_EXTRA_CFLAGS=flags; with
     flags, the kernel must say it took its plain-C path, or with `simd` its SIMD one (`body` prints 'simd N')."""
     code = "import sys, torch; sys.path.insert(0, %r)\n" % os.path.dirname(__file__) + body + "print('ok')\n"
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr[-2000:]
     if flags:
         assert f"simd {int(simd)}" in out.stdout
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("flags", ["-mno-avx2 -mno-fma", "-mno-avx512f", ""])
-def test_plain_c_fallback_build(tmp_path, flags):
+def test_plain_c_fallback_build(kernel_cache, flags):
     """Built without AVX2/FMA the kernel takes its plain-C path (and says so) with the same results; built
     without AVX-512 (an AVX2 CPU) its AVX2 tiles serve every row count."""
-    _run_built_with(flags, tmp_path, (
+    _run_built_with(flags, kernel_cache, (
         "from test_panel_linear import _check\n"
         "from kvforge.models import panel_linear as pl\n"
         "assert pl.available(), pl.unavailable_reason()\n"
@@ -213,12 +214,13 @@ def test_bf16_gemm_switch_rejects_unknown_values():
     assert "KVFORGE_BF16_GEMM must be one of auto, dot, fma, amx, got 'fast'" in proc.stderr
 
 
+@pytest.mark.build
 @bf16_kernel
-def test_bf16_gemm_amx_where_it_cannot_run_is_an_error_naming_why(tmp_path):
+def test_bf16_gemm_amx_where_it_cannot_run_is_an_error_naming_why(kernel_cache):
     """KVFORGE_BF16_GEMM=amx with a build that has no AMX path (`-mno-amx-tile`, as on every CPU without
     AMX) stops the bf16 kernel's load with an error that says why and what to use instead."""
     env = dict(os.environ, KVFORGE_BF16_GEMM="amx", KVFORGE_EXTRA_CFLAGS="-mno-amx-tile",
-               KVFORGE_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+               KVFORGE_CACHE_DIR=str(kernel_cache), PYTHONPATH=os.pathsep.join(sys.path))
     code = "import torch\nfrom kvforge.models import panel_linear as pl\npl.available(torch.bfloat16)\n"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode != 0
@@ -265,11 +267,12 @@ def test_bf16_packing_is_a_relayout():
     assert torch.equal(_dense_bf16(pw), w) and pw.nbytes == 48 * 20 * 2 and pw.dtype == torch.bfloat16
 
 
+@pytest.mark.build
 @bf16_kernel
 @pytest.mark.parametrize("flags", ["-mno-avx512bf16", ""])
-def test_bf16_plain_c_fallback_build(tmp_path, flags):
+def test_bf16_plain_c_fallback_build(kernel_cache, flags):
     """Built without AVX512-BF16 the bf16 kernel takes its plain-C path (and says so) with the same results."""
-    _run_built_with(flags, tmp_path, (
+    _run_built_with(flags, kernel_cache, (
         "from test_panel_linear import _check_bf16\n"
         "from kvforge.models import panel_linear as pl\n"
         "assert pl.available(torch.bfloat16), pl.unavailable_reason(torch.bfloat16)\n"
