@@ -1,15 +1,15 @@
 """Building and loading kvforge's small C libraries (decode attention, fused elementwise ops).
 
 Why C through ctypes and not torch extensions: the sources need no torch
-headers, so the system C compiler builds each in seconds (5-16 s for the
-attention kernels on a small CPU, announced on stderr) instead of the minute a
-`torch.utils.cpp_extension` build takes. They link the same
+headers, so the system C compiler builds them without torch's build machinery
+(announced on stderr, once per CPU and source version; the attention library's
+two units compile side by side). They link the same
 `libgomp.so.1` that torch already loaded (same soname), so they share torch's
 OpenMP threads.
 
 Each shared object is cached under `$KVFORGE_CACHE_DIR` (default
-`~/.cache/kvforge/kernels`), keyed by the source, the flags, the compiler and
-this CPU, since `-march=native` code must not move to another machine. Without
+`~/.cache/kvforge/kernels`), keyed by the sources and every header they include, the flags, the compiler
+and this CPU, since `-march=native` code must not move to another machine. Without
 a compiler, or with the library's switch-off variable set to 0, loading
 returns the reason instead, and callers keep their torch paths.
 `KVFORGE_EXTRA_CFLAGS` appends compiler flags (e.g. `-mno-avx512f` to build
@@ -158,7 +158,7 @@ class NativeLibrary:
         try:
             path = cache_path(self.sources, compiler, flags)
             if not path.exists():
-                # 5-16 s for paged_decode.c on a small CPU: say so, once; later runs load the cached object
+                # the attention kernels take the longest (docs/kernel-tuning.md): say so, once; later runs load the cache
                 print(f"kvforge: compiling CPU kernels ({self.what}), once for this CPU... (cache: {path})",
                       file=sys.stderr, flush=True)
                 start = time.perf_counter()
