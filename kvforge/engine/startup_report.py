@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge import envs
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
 from kvforge.models.linear import PANEL_DECODE_ROWS
@@ -52,6 +53,7 @@ class StartupReport:
     dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
     kv_eviction: str = "none"
     kv_budget: int | None = None
+    environment: list[tuple[str, str]] = field(default_factory=list)  # KVFORGE_* variables set (kvforge.envs)
 
     @property
     def max_concurrency_evicting(self) -> float:
@@ -91,6 +93,7 @@ class StartupReport:
             *((("linear layers", self.linear),) if self.linear else ()),
             *self.tiers,
             *self.parallel,
+            *((("environment", ", ".join(f"{k}={v}" for k, v in self.environment)),) if self.environment else ()),
         ]
         width = max(len(k) for k, _ in rows)
         return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -163,6 +166,7 @@ def report_for(
         linear=linear,
         kv_eviction=config.eviction_config.kv_eviction,
         kv_budget=config.eviction_config.kv_budget,
+        environment=envs.set_variables(),
     )
 
 
