@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # model (compute) dtypes
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # llama-like layers with RMSNorm on q and k per head
-ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")  # kvforge.attention implements them
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch", "triton")  # kvforge.attention implements them
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
 # what --kv-cache-dtype/--k-cache-dtype/--v-cache-dtype accept: the ledger's canonical names and aliases
 KV_CACHE_DTYPES = KV_FORMAT_DTYPES + tuple(KV_DTYPE_ALIASES)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvforge.attention import check_backend_device
 from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
 from kvforge.engine.dtype_choice import resolve_dtype
@@ -71,6 +72,7 @@ class LLMEngine:
             self.tokenizer = checkpoint.tokenizer
             self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
             self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            check_backend_device(opts.attention_backend, self.device.type)  # e.g. triton on CPU, no interpreter
             dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
             opts = config.model_config
