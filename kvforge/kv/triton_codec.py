@@ -73,12 +73,25 @@ def _round_half_even(y):
 
 
 @triton.jit
+def _round_to_fp8_grid(y, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """y rounded half-to-even onto the fp8 grid, in fp32, so the cast after it is exact.
+
+    Why not cast directly: Triton's interpreter loses the carry when rounding bumps the exponent
+    (31.0 -> 16 in e4m3), and an exact cast is the same on every backend. The step is 2^(e - MANTISSA)
+    for y's exponent e (subnormals: MIN_EXP's step), built from the exponent bits, so y / step is exact."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 255) - 127, MIN_EXP)
+    step = ((e - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    return _round_half_even(y / step) * step
+
+
+@triton.jit
 def _encode(y, FMT: tl.constexpr):
     """Clamped fp32 values -> their 8-bit codes as uint8 (not int4: the caller packs nibbles)."""
     if FMT == 1:
-        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return _round_to_fp8_grid(y, 3, -6).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     elif FMT == 2:
-        return y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        return _round_to_fp8_grid(y, 2, -14).to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
         return _round_half_even(y).to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True)
 
@@ -139,6 +152,6 @@ def quantize_rows_triton(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tens
     dummy = codes  # an unused pointer argument still needs a tensor
     _quantize_rows_kernel[(n,)](
         x, slots, codes, scales if scales is not None else dummy,
-        static_scale if static_scale is not None else dummy, h, d, x.stride(0), x.stride(1), qmax, ABSMAX_FLOOR,
+        static_scale.reshape(1) if static_scale is not None else dummy, h, d, x.stride(0), x.stride(1), qmax, ABSMAX_FLOOR,
         FMT=FORMAT_CODES[fmt_name], GRAN=gran, H_PAD=triton.next_power_of_2(h), D_PAD=max(2, triton.next_power_of_2(d)),
     )
