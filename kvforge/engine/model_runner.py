@@ -44,7 +44,7 @@ class ModelRunner:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
         self.eviction: EvictionTracker | None = None  # set by the engine when KV eviction is on
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)  # sampling runs on the device
         self.tiers: Any = None  # KV tiers (kvforge.kv.tiers): loads and evictions queued by the KV manager
         self.mover: Any = None
 
@@ -171,7 +171,8 @@ class ModelRunner:
             return self.default_generator
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = self.generators[request_id] = torch.Generator().manual_seed(sample_seed(seed, sample_index))
+            gen = torch.Generator(device=self.device).manual_seed(sample_seed(seed, sample_index))
+            self.generators[request_id] = gen
         return gen
 
     def _copy_blocks(self, by_group: list[list[tuple[int, int]]]) -> None:
@@ -185,7 +186,8 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | list[AttentionMetadata],
         rows: list[int] | None,
     ) -> torch.Tensor | None:
-        """Forward pass, then float32 logits (on CPU) of the flattened batch's `rows` (None: every row; []: none).
+        """Forward pass, then float32 logits (on the model's device: sampling runs there, and the sampled ids
+        are the step's one host sync) of the flattened batch's `rows` (None: every row; []: none).
 
         The seam a multi-device executor overrides (kvforge/engine/parallel/executor.py runs it on its ranks)."""
         hidden = self.model(input_ids, positions, self.caches, meta)
@@ -193,7 +195,7 @@ class ModelRunner:
             if not rows:
                 return None
             hidden = sampled_rows(hidden, rows)
-        return self.model.compute_logits(hidden).cpu()
+        return self.model.compute_logits(hidden)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -218,4 +220,4 @@ class ModelRunner:
         if mass is not None:
             self.eviction.collect(mass, [chunk], *single)
         assert logits is not None
-        return logits
+        return logits.cpu()
