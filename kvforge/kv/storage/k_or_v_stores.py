@@ -28,7 +28,6 @@ import importlib.util
 
 import torch
 
-from kvforge.kv.cache_tensors import gather_blocks
 from kvforge.kv.quant_kernel import quantize_rows
 from kvforge.kv.quant import (
     ABSMAX_FLOOR,
@@ -39,6 +38,7 @@ from kvforge.kv.quant import (
     expand_scale,
     quantize,
 )
+from kvforge.kv.storage.layer_cache import gather_blocks
 
 
 def _triton_installed() -> bool:
