@@ -1,4 +1,4 @@
-"""The Triton kernels (`kvforge.attention.triton`, `kvforge.kv.triton_codec`) against the torch reference.
+"""The Triton kernels (`kvforge.attention.triton`, `kvforge.kv.storage.triton_codec`) against the torch reference.
 
 Without a GPU they run in Triton's interpreter on CPU tensors: TRITON_INTERPRET is set here, at
 collection, before any kernel module is imported (the kernels import lazily for that reason). With
@@ -21,10 +21,10 @@ from kvforge.attention import paged_attention  # noqa: E402
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk  # noqa: E402
 from kvforge.attention.torch_ref import paged_attention as reference  # noqa: E402
 from kvforge.attention.triton import paged_attention_triton, reads_in_place  # noqa: E402
-from kvforge.kv.cache_tensors import DenseKVCache  # noqa: E402
-from kvforge.kv.latent_cache import LatentKVCache  # noqa: E402
+from kvforge.kv.storage.dense import DenseKVCache  # noqa: E402
+from kvforge.kv.storage.mla_latent import LatentKVCache  # noqa: E402
 from kvforge.kv.quant import get_format, quantize, absmax_scales, expand_scale  # noqa: E402
-from kvforge.kv.quantized_cache import QuantizedKVCache  # noqa: E402
+from kvforge.kv.storage.quantized import QuantizedKVCache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NB, BS, HKV, H, D = 12, 8, 2, 6, 16
@@ -151,7 +151,7 @@ WRITE_CASES = [("fp8_e4m3", "token"), ("fp8_e5m2", "head"), ("int8", "tensor"), 
 
 @pytest.mark.parametrize("fmt_name,gran", WRITE_CASES, ids=["-".join(c) for c in WRITE_CASES])
 def test_quantize_on_write_kernel_gives_torch_codes_and_scales(fmt_name, gran):
-    from kvforge.kv.triton_codec import quantize_rows_triton
+    from kvforge.kv.storage.triton_codec import quantize_rows_triton
 
     fmt = get_format(fmt_name)
     x = torch.randn(5, HKV, D) * torch.tensor([0.01, 3.0])[None, :, None]

@@ -92,7 +92,7 @@ def plan_for_engine(engine: Any) -> GpuMemoryPlan:
     """The engine's KV bytes under its gpu_memory_utilization, profiled at its largest step (its model
     loaded, its cache format resolved)."""
     from kvforge.config import torch_dtype
-    from kvforge.kv.cache_factory import make_layer_caches
+    from kvforge.kv.storage.build import make_layer_caches
 
     config, cfg, device = engine.config, engine.model_config, engine.device
     sched, cache_cfg = config.scheduler_config, config.cache_config

@@ -7,7 +7,7 @@ context): the query heads sharing that KV head are stacked into one `tl.dot` til
 row once for all of them), and the splits' partial softmaxes are merged by a second small kernel
 from their log-sum-exps. K and V are read where they lie: each tile looks its tokens' blocks up in
 the block table and decodes fp8/int8/int4 codes with their scales in registers
-(`kvforge.kv.triton_codec.load_rows`), so a quantized cache saves bandwidth, not only memory.
+(`kvforge.kv.storage.triton_codec.load_rows`), so a quantized cache saves bandwidth, not only memory.
 
 The split count is chosen on the host from the block table's width (a shape, never a device value),
 so launching needs no sync and a captured CUDA graph keeps its grid.
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvforge.attention.triton.pool import Operand
-from kvforge.kv.triton_codec import load_rows
+from kvforge.kv.storage.triton_codec import load_rows
 
 BLOCK_N = 32  # context tokens per loop iteration
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the merge than it saves

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvforge.kv.cache_tensors import DenseKVCache
-from kvforge.kv.kv_stores import DenseStore, QuantStore
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.dense import DenseKVCache
+from kvforge.kv.storage.k_or_v_stores import DenseStore, QuantStore
+from kvforge.kv.storage.quantized import QuantizedKVCache
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_FMT = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 4}  # kvforge.kv.triton_codec's FMT codes
+_FMT = {"fp8_e4m3": 1, "fp8_e5m2": 2, "int8": 3, "int4": 4}  # kvforge.kv.storage.triton_codec's FMT codes
 _GRAN = {None: 0, "tensor": 1, "token": 2, "head": 3, "channel": 4}
 
 

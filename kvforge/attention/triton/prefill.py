@@ -16,7 +16,7 @@ import triton.language as tl
 from kvforge.attention.metadata import PrefillChunk
 from kvforge.attention.triton.decode import _tanh, mma
 from kvforge.attention.triton.pool import Operand
-from kvforge.kv.triton_codec import load_rows
+from kvforge.kv.storage.triton_codec import load_rows
 
 BLOCK_N = 32
 ROWS = 32  # query rows (tokens x grouped heads) per program

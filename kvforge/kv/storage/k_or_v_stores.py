@@ -111,7 +111,7 @@ class QuantStore:
         if self.granularity == "tensor" and self.static_scale is None:
             self.static_scale = absmax_scales(x, "tensor", self.fmt)
         if x.is_cuda and _triton_installed():  # one Triton pass, scales read and written on the device
-            from kvforge.kv.triton_codec import quantize_rows_triton
+            from kvforge.kv.storage.triton_codec import quantize_rows_triton
 
             scales = None if self.scale is None else self.scale.view(-1, *self.scale.shape[2:])
             quantize_rows_triton(x, slots, flat, scales, self.fmt.name, self.fmt.qmax, self.granularity,

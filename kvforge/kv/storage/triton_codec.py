@@ -1,6 +1,6 @@
 """The KV pool's storage formats as Triton code: decode a tile of K/V rows in registers, quantize on write.
 
-Why here, beside `quant.py` and `kv_stores.py`: the byte layout of a block (codes, which scale tensor,
+Why here, beside `kvforge.kv.quant` and `k_or_v_stores.py`: the byte layout of a block (codes, which scale tensor,
 how int4 packs) is the cache's knowledge. The attention kernels (`kvforge.attention.triton`) call
 `load_rows` to read any store in place, and `QuantStore.write` calls `quantize_rows_triton` on CUDA
 tensors, so neither has to know how the other lays bytes out.
