@@ -16,6 +16,7 @@ import torch
 from kvforge.attention import check_backend_device
 from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
+from kvforge.engine.cuda_graphs import decode_graphs_for
 from kvforge.engine.dtype_choice import resolve_dtype
 from kvforge.engine.gpu_memory import plan_for_engine, uses_gpu_memory_utilization
 from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
@@ -147,6 +148,9 @@ class LLMEngine:
             )
             self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
                                       opts.attention_backend)
+            self.runner.decode_graphs = decode_graphs_for(self.model, caches, self.device, opts.enforce_eager,
+                                                          sched.max_num_seqs, max_model_len, cache_cfg.block_size,
+                                                          opts.attention_backend)
             self.report: StartupReport = build_startup_report(
                 self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
             )

@@ -45,6 +45,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.eviction: EvictionTracker | None = None  # set by the engine when KV eviction is on
         self.default_generator = torch.Generator(device=device).manual_seed(seed)  # sampling runs on the device
+        self.decode_graphs: Any = None  # CUDA graphs of decode-only steps (engine/cuda_graphs.py), set on CUDA
         self.tiers: Any = None  # KV tiers (kvforge.kv.tiers): loads and evictions queued by the KV manager
         self.mover: Any = None
 
@@ -190,6 +191,10 @@ class ModelRunner:
         are the step's one host sync) of the flattened batch's `rows` (None: every row; []: none).
 
         The seam a multi-device executor overrides (kvforge/engine/parallel/executor.py runs it on its ranks)."""
+        if self.decode_graphs is not None and self.decode_graphs.serves(meta, input_ids.shape[0]):
+            logits = self.decode_graphs.run(input_ids, positions, meta)  # None: this size could not be captured
+            if logits is not None:
+                return logits if rows is None else sampled_rows(logits, rows) if rows else None
         hidden = self.model(input_ids, positions, self.caches, meta)
         if rows is not None:
             if not rows:
