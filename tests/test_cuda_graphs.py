@@ -50,7 +50,7 @@ class EagerGraph:
 def test_engine_decodes_through_padded_graph_buffers_with_the_same_tokens(tiny_model_factory):
     path, _ = tiny_model_factory("llama_gqa")
     prompts = [[5, 17, 99, 3], list(range(10, 30)), [7, 7, 1]]  # 3 decodes: padded to the size-4 graph
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
     def run(graphs: bool):
         llm = LLM(model=path, log_ledger=False, num_kv_blocks=32, block_size=8, attention_backend="torch",

@@ -21,8 +21,8 @@ from kvforge import LLM, SamplingParams  # noqa: E402
 from tiny_models import hf_greedy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PROMPTS = [[5, 17, 99, 3, 8, 200, 45], list(range(10, 31))]
-NEW = 6
+PROMPTS = [[5, 17, 99, 3, 8, 200, 45], list(range(10, 28))]
+NEW = 5
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
