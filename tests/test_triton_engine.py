@@ -63,3 +63,14 @@ def test_triton_backend_on_cpu_without_the_interpreter_is_refused_naming_the_opt
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="attention_backend 'triton'"):
         _llm(path, attention_backend="triton")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "deepseek_v2"])
+def test_triton_backend_softcap_hybrid_groups_and_mla_match_transformers(tiny_model_factory, family):
+    """Gemma 2: soft-capped, windowed layers; Gemma 3: two KV cache groups (one metadata per layer);
+    DeepSeek-V2: MLA decode absorbed over the latent pool (its prefill chunks decompress through SDPA)."""
+    path, hf = tiny_model_factory(family)
+    prompt = list(range(40, 58))  # longer than the Gemma windows (8)
+    out = _llm(path, attention_backend="triton").generate(prompt_token_ids=[prompt], sampling_params=GREEDY)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, NEW)
