@@ -5,6 +5,7 @@ path with an eager stand-in for the captured graph (it replays by re-running the
 the persistent buffers, which is what a real graph reads)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import assert_no_leaks
@@ -82,3 +83,40 @@ def test_graphs_are_off_on_cpu_with_enforce_eager_or_a_mixed_step():
                               prefills=[PrefillChunk(slice(2, 5), 0, 3, torch.zeros(1, dtype=torch.long))])
     assert not graphs.serves(mixed, 5)
     assert not graphs.serves([decode, decode], 2)  # hybrid models: one metadata per layer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_decode_steps_replay_graphs_sync_once_and_match_eager(tiny_model_factory):
+    """On CUDA: decode steps replay captured graphs, give the eager tokens, and the only host sync of a
+    decode step is reading the sampled ids (counted with torch's sync debug mode)."""
+    import warnings
+
+    path, _ = tiny_model_factory("llama_gqa")
+    prompts = [[5, 17, 99, 3], list(range(10, 30)), [7, 7, 1]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(model=path, log_ledger=False, num_kv_blocks=32, block_size=8, device="cuda", dtype="float32",
+                  enforce_eager=eager)
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        graphs = llm.engine.runner.decode_graphs
+        assert (graphs is None) == eager
+        if not eager:
+            assert graphs.replays > 0
+            eng = llm.engine
+            for p in prompts:
+                eng.add_request(prompt_token_ids=p, params=params)
+            eng.step()  # the prefill step
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    eng.step()  # one decode step
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            assert len(syncs) <= 1, [str(w.message) for w in syncs]
+            while eng.has_unfinished_requests():
+                eng.step()
+    assert outs[True] == outs[False]

@@ -39,3 +39,16 @@ def test_the_option_is_validated_and_only_applies_when_the_pool_is_not_sized_oth
     assert not uses_gpu_memory_utilization(EngineConfig.create(num_kv_blocks=64).cache_config, cuda, False)
     # a copy with other options keeps the default's mark
     assert uses_gpu_memory_utilization(EngineConfig.create().replace(max_num_seqs=4).cache_config, cuda, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_sizes_its_pool_from_gpu_memory_and_the_ledger_says_how(tiny_model_factory):
+    from kvforge import LLM
+
+    path, _ = tiny_model_factory("llama_gqa")
+    llm = LLM(model=path, log_ledger=False, device="cuda", gpu_memory_utilization=0.5)
+    plan = llm.engine.gpu_memory
+    assert plan is not None and plan.kv_bytes > 0 and plan.activation_peak > 0
+    assert "gpu_memory_utilization 0.5" in llm.engine.report.render()
+    assert llm.engine.report.kv_cache_bytes <= plan.kv_bytes + llm.engine.report.kv_bytes_per_block * 4

@@ -128,11 +128,11 @@ def test_quantized_pools_read_in_place_match_reference_dequantize(k_dtype, v_dty
 def test_mla_absorbed_decode_reads_the_latent_pool_as_k_and_v():
     from kvforge.attention.mla import _AbsorbedView
 
-    rank, rope = 32, 8
+    rank, rope = 128, 16  # 144 latent channels: 16 query heads per program, so 20 heads take two
     latent = LatentKVCache(NB, BS, rank, rope, torch.float32, DEVICE)
     latent.latent.normal_()
     view = _AbsorbedView(latent)
-    q = torch.randn(2, 4, rank + rope, device=DEVICE)
+    q = torch.randn(2, 20, rank + rope, device=DEVICE)
     assert reads_in_place(q, view)
     _close(paged_attention_triton(q, view, _decode_meta(), SCALE, num_splits=2),
            reference(q, view, _decode_meta(), SCALE), 1e-5)

@@ -3,7 +3,8 @@
 Why this shape (flash decoding, as vLLM's and SGLang's Triton decode kernels do it): a decode row has
 one query per head, so a program per (sequence, head) leaves a GPU idle on short batches and makes
 one program walk the whole context. Each program here takes one (sequence, KV head, split of the
-context): the query heads sharing that KV head are stacked into one `tl.dot` tile (GQA reads each K/V
+context): the query heads sharing that KV head (up to 64; more take several programs) are stacked
+into one `tl.dot` tile (GQA reads each K/V
 row once for all of them), and the splits' partial softmaxes are merged by a second small kernel
 from their log-sum-exps. K and V are read where they lie: each tile looks its tokens' blocks up in
 the block table and decodes fp8/int8/int4 codes with their scales in registers
@@ -23,6 +24,8 @@ from kvforge.kv.storage.triton_codec import load_rows
 
 BLOCK_N = 32  # context tokens per loop iteration
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in the merge than it saves
+# Query heads per program: up to 64 at head sizes <= 128; 16 above (MLA's 16-128 heads of 576 latent
+# channels take several programs, so one program's q and K tiles stay in registers and shared memory).
 
 
 @triton.jit
@@ -48,13 +51,14 @@ def _decode_split_kernel(
     k_ptr, k_scale_ptr, v_ptr, v_scale_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_table,
     k_sb, k_st, k_sh, v_sb, v_st, v_sh,
-    group, dim, v_dim, block_size, num_kv_heads, split_len, window, scale, softcap,
+    group, head_tiles, dim, v_dim, block_size, num_kv_heads, split_len, window, scale, softcap,
     K_FMT: tl.constexpr, K_GRAN: tl.constexpr, V_FMT: tl.constexpr, V_GRAN: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     SOFTCAP: tl.constexpr, DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // head_tiles  # the KV head, and which BLOCK_H of its query heads
+    h0 = (tl.program_id(1) % head_tiles) * BLOCK_H
     sp = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
     lo = sp * split_len
@@ -65,8 +69,8 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, D_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_h = offs_h < group
-    heads = kvh * group + offs_h
+    mask_h = h0 + offs_h < group
+    heads = kvh * group + h0 + offs_h
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & (offs_d[None, :] < dim), other=0.0).to(tl.float32)
     if not SOFTCAP:
@@ -143,8 +147,9 @@ def paged_decode(
     hkv = k.heads
     group = h // hkv
     dv = v.dim
-    block_h = max(16, triton.next_power_of_2(group))
     d_pad, dv_pad = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    block_h = min(max(16, triton.next_power_of_2(group)), 64 if d_pad <= 128 else 16)
+    head_tiles = -(-group // block_h)
     max_context = block_tables.shape[1] * k.block_size
     split_len = -(-(-(-max_context // num_splits)) // BLOCK_N) * BLOCK_N
     if num_splits == 1:
@@ -152,12 +157,12 @@ def paged_decode(
     else:
         part = torch.empty(b, h, num_splits, dv, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(b, hkv, num_splits)](
+    _decode_split_kernel[(b, hkv * head_tiles, num_splits)](
         q, part, lse, block_tables, seq_lens, k.data, k.scale if k.scale is not None else k.data,
         v.data, v.scale if v.scale is not None else v.data,
         q.stride(0), q.stride(1), part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         block_tables.stride(0), k.stride_b, k.stride_t, k.stride_h, v.stride_b, v.stride_t, v.stride_h,
-        group, d, dv, k.block_size, hkv, split_len, sliding_window or 0, scale, softcap or 0.0,
+        group, head_tiles, d, dv, k.block_size, hkv, split_len, sliding_window or 0, scale, softcap or 0.0,
         K_FMT=k.fmt, K_GRAN=k.gran, V_FMT=v.fmt, V_GRAN=v.gran, BLOCK_H=block_h, BLOCK_N=BLOCK_N,
         D_PAD=d_pad, DV_PAD=dv_pad, SOFTCAP=bool(softcap), DOT=dot,
     )
