@@ -185,3 +185,30 @@ def test_quantized_store_writes_through_triton_on_cuda():
     cpu.write(torch.arange(NB * BS), k, torch.randn(NB * BS, HKV, D, generator=g))
     assert torch.equal(cache.k_store.data.cpu(), cpu.k_store.data)
     assert torch.equal(cache.v_store.data.cpu(), cpu.v_store.data)
+
+
+@pytest.mark.parametrize("fmt_name", ["int8", "int4", "fp8_e4m3"])
+def test_per_channel_rescale_without_host_sync_gives_the_same_codes(fmt_name):
+    """The GPU's sync-free rescale of per-channel blocks (every touched block recomputed, the grown ones
+    kept) writes exactly the codes of the CPU's path, which touches only the grown blocks."""
+    import copy
+
+    from kvforge.kv.storage.k_or_v_stores import QuantStore
+
+    fmt = get_format(fmt_name)
+    g = torch.Generator().manual_seed(3)
+    store = QuantStore(4, BS, HKV, D, fmt, "channel", "cpu")
+    store.write(torch.arange(8, 12), torch.randn(4, HKV, D, generator=g))  # block 1
+    store.write(torch.arange(16, 20), torch.randn(4, HKV, D, generator=g))  # block 2
+    uniq = torch.tensor([1, 2])
+    old = store.block_scales[uniq].clone()
+    grow = torch.ones(2, HKV, D)
+    grow[0, :, ::3] = 4.0  # block 1: a third of its channels grow; block 2 keeps its scales
+    new = old * grow
+    grown = ((new > old) & (old > 0)).flatten(1).any(dim=1)
+    assert grown.tolist() == [True, False]
+    cpu, gpu = copy.deepcopy(store), copy.deepcopy(store)
+    cpu._rescale(uniq, old, new, grown, sync_free=False)
+    gpu._rescale(uniq, old, new, grown, sync_free=True)
+    assert torch.equal(cpu.data, gpu.data)
+    assert not torch.equal(cpu.data[1], store.data[1]) and torch.equal(cpu.data[2], store.data[2])

@@ -138,7 +138,18 @@ class QuantStore:
         need = channel_absmax(x, inv, uniq.numel()).clamp_min(ABSMAX_FLOOR) / self.fmt.qmax
         new = torch.maximum(old, need)
         grown = ((new > old) & (old > 0)).flatten(1).any(dim=1)  # blocks holding codes that must be rescaled
-        if self.data.is_cuda:  # no host sync: requantize every touched block (an unchanged scale keeps its codes)
+        self._rescale(uniq, old, new, grown, sync_free=self.data.is_cuda)
+        self.block_scales[uniq] = new
+        codes = quantize(x, new[inv], self.fmt)
+        self.data.view(-1, *self.data.shape[2:]).index_copy_(0, slots, codes)
+
+    def _rescale(self, uniq: torch.Tensor, old: torch.Tensor, new: torch.Tensor, grown: torch.Tensor,
+                 sync_free: bool) -> None:
+        """Requantize the codes of the `grown` blocks among `uniq` from their old scales to the new ones.
+
+        On a GPU (`sync_free`) every touched block is recomputed and the grown ones kept, so no host reads
+        `grown`; elsewhere only the grown blocks are touched, and none when no scale grew."""
+        if sync_free:
             values = dequantize(self.data[uniq], old[:, None], self.fmt, torch.float32)
             requantized = quantize(values, new[:, None], self.fmt)
             self.data[uniq] = torch.where(grown[:, None, None, None], requantized, self.data[uniq])
@@ -146,9 +157,6 @@ class QuantStore:
             ids = uniq[grown]
             values = dequantize(self.data[ids], old[grown][:, None], self.fmt, torch.float32)
             self.data[ids] = quantize(values, new[grown][:, None], self.fmt)
-        self.block_scales[uniq] = new
-        codes = quantize(x, new[inv], self.fmt)
-        self.data.view(-1, *self.data.shape[2:]).index_copy_(0, slots, codes)
 
     # ---- read ------------------------------------------------------------------------------------
     def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
