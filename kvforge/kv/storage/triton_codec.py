@@ -121,10 +121,10 @@ def _quantize_rows_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, static_ptr, h
     if GRAN == 1:
         scale = tl.zeros([H_PAD], dtype=tl.float32) + tl.load(static_ptr)
     elif GRAN == 2:
-        scale = tl.zeros([H_PAD], dtype=tl.float32) + tl.maximum(tl.max(amax_h, axis=0), floor) / qmax
+        scale = tl.zeros([H_PAD], dtype=tl.float32) + tl.math.div_rn(tl.maximum(tl.max(amax_h, axis=0), floor), qmax)
         tl.store(scales_ptr + slot, tl.max(scale, axis=0))
     else:
-        scale = tl.maximum(amax_h, floor) / qmax
+        scale = tl.math.div_rn(tl.maximum(amax_h, floor), tl.zeros([H_PAD], dtype=tl.float32) + qmax)
         tl.store(scales_ptr + slot * heads + offs_h, scale, mask=offs_h < heads)
     if FMT == 4:
         half = dim // 2
