@@ -14,6 +14,7 @@ coordinator, so it can run in another process (a tensor-parallel rank).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -49,7 +50,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)  # sampling runs on the device
+        self.decode_graphs: Any = None  # CUDA graphs of decode-only steps (engine/cuda_graphs.py), set on CUDA
         self.tiers: KVTiers | None = None  # KV tiers (kvforge.kv.tiers): their byte-moving side
         self.mover: BlockMover | None = None
 
@@ -171,7 +173,8 @@ class ModelRunner:
             return self.default_generator
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = self.generators[request_id] = torch.Generator().manual_seed(sample_seed(seed, sample_index))
+            gen = torch.Generator(device=self.device).manual_seed(sample_seed(seed, sample_index))
+            self.generators[request_id] = gen
         return gen
 
     def _copy_blocks(self, by_group: list[list[tuple[int, int]]]) -> None:
@@ -185,15 +188,20 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | list[AttentionMetadata],
         rows: list[int] | None,
     ) -> torch.Tensor | None:
-        """Forward pass, then float32 logits (on CPU) of the flattened batch's `rows` (None: every row; []: none).
+        """Forward pass, then float32 logits (on the model's device: sampling runs there, and the sampled ids
+        are the step's one host sync) of the flattened batch's `rows` (None: every row; []: none).
 
         The seam a multi-device executor overrides (kvforge/engine/parallel/executor.py runs it on its ranks)."""
+        if self.decode_graphs is not None and self.decode_graphs.serves(meta, input_ids.shape[0]):
+            logits = self.decode_graphs.run(input_ids, positions, meta)  # None: this size could not be captured
+            if logits is not None:
+                return logits if rows is None else sampled_rows(logits, rows) if rows else None
         hidden = self.model(input_ids, positions, self.caches, meta)
         if rows is not None:
             if not rows:
                 return None
             hidden = sampled_rows(hidden, rows)
-        return self.model.compute_logits(hidden).cpu()
+        return self.model.compute_logits(hidden)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -218,4 +226,4 @@ class ModelRunner:
             meta.attention_mass = mass  # type: ignore[union-attr]
         logits = self._forward_logits(input_ids, positions, meta, None)
         assert logits is not None
-        return logits, mass
+        return logits.cpu(), mass

@@ -51,6 +51,7 @@ class StartupReport:
     tiers: list[tuple[str, str]] = field(default_factory=list)  # KV tier rows (kvforge.kv.tiers.setup.ledger_rows)
     parallel: list[tuple[str, str]] = field(default_factory=list)  # tensor parallelism: per-device rows
     dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
+    kv_sizing: str = ""  # CUDA: how gpu_memory_utilization sized the pool (kvforge/engine/gpu_memory.py)
     kv_eviction: str = "none"
     kv_budget: int | None = None
     environment: list[tuple[str, str]] = field(default_factory=list)  # KVFORGE_* variables set (kvforge.envs)
@@ -82,6 +83,7 @@ class StartupReport:
              if len(self.groups) < 2
              else f"{len(self.groups)} groups, one pool each (+1 null block each) = {format_bytes(self.kv_cache_bytes)}"),
             *self._group_rows(),
+            *((("kv sizing", self.kv_sizing),) if self.kv_sizing else ()),
             ("kv capacity", f"{self.token_capacity} tokens"),
             ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
             *((("kv eviction", f"{self.kv_eviction}, budget {self.kv_budget} tokens per sequence -> "
