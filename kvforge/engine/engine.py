@@ -294,6 +294,8 @@ class LLMEngine:
                 self.samples[chunk.request.group_id].extend(chunk.forks)
                 self.outputs.fork(chunk.forks)
         results = self.runner.execute(sched_out)
+        for rid, scores in getattr(results, "prompt_scores", {}).items():  # SamplingParams.prompt_logprobs
+            self.outputs.record_prompt_scores(rid, scores)
         self.kv_usage.observe(self.kv, *stored_after_step(self.scheduler.running, sched_out.chunks))
         self.counters.num_steps += 1
         self.counters.num_prompt_tokens += sum(

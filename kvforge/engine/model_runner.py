@@ -17,11 +17,21 @@ import torch
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.engine.kv_eviction import EvictionTracker
+from kvforge.engine.prompt_logprobs import PromptScores, plan_scored_rows, score_chunks
 from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult, sample
 from kvforge.engine.sampling_params import sample_seed
 from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvforge.kv.cache_tensors import LayerKVCache
+
+
+class RunnerOutput(dict[str, SampleResult]):
+    """Sampled tokens by request id, plus the prompt logprobs this step's chunks scored (by request id)."""
+
+    def __init__(self, sampled: dict[str, SampleResult] | None = None,
+                 prompt_scores: dict[str, PromptScores] | None = None) -> None:
+        super().__init__(sampled or {})
+        self.prompt_scores = prompt_scores or {}
 
 
 def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -126,12 +136,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self._sync_tiers(out.block_loads)
         if out.has_copies:
             self._copy_blocks(out.block_copies)
         if out.is_empty:
-            return {}
+            return RunnerOutput()
         chunks = out.chunks
         input_ids, positions, meta, order = self.prepare(chunks)
         mass = None
@@ -151,11 +161,16 @@ class ModelRunner:
                 for r in (c.request, *c.forks):
                     rows.append(row - 1)
                     sampling.append(r)
-        logits = self._forward_logits(input_ids, positions, meta, rows)
+        score_rows, spans = plan_scored_rows(chunks, order)  # SamplingParams.prompt_logprobs (prompt_logprobs.py)
+        logits = self._forward_logits(input_ids, positions, meta, rows + score_rows)
         if mass is not None:
             self.eviction.collect(mass, chunks, decodes, prefills)
-        if logits is None:  # nothing sampled this step
-            return {}
+        if logits is None:  # nothing sampled or scored this step
+            return RunnerOutput()
+        scores = score_chunks(logits[len(rows):], spans) if spans else {}
+        if not rows:
+            return RunnerOutput(None, scores)
+        logits = logits[: len(rows)]
         params = [r.sampling_params for r in sampling]
         gens = [self._generator(r.request_id, r.sampling_params.seed, r.sample_index) for r in sampling]
         banned = [
@@ -163,7 +178,7 @@ class ModelRunner:
             for r in sampling
         ]
         results = sample(logits, params, gens, banned)
-        return {r.request_id: res for r, res in zip(sampling, results)}
+        return RunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, scores)
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
         """Seeded requests own a generator (sample i of n: `sample_seed(seed, i)`), kept across preemption."""

@@ -36,6 +36,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k logprobs at each prompt token (plus its own), scored in prefill
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_budget: int | None = None  # KV eviction: tokens this request keeps (overrides the engine's kv_budget)
@@ -56,6 +57,8 @@ class SamplingParams:
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "an integer >= 1 or None")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", "an integer in [0, 20] or None")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "an integer in [0, 20] or None")
         check(self.kv_budget is None or (_is_int(self.kv_budget) and self.kv_budget >= 1), "kv_budget",
               "a positive integer (tokens) or None")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvforge.config import SchedulerConfig
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.kv.interface import BlockCopies, KVCacheCoordinatorProtocol, KVLoad
+from kvforge.kv.interface import BlockCopies, KVCacheBlocks, KVCacheCoordinatorProtocol, KVLoad
 
 
 @dataclass
@@ -147,6 +147,8 @@ class Scheduler:
         while self.waiting and budget > 0 and num_seqs + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None:  # scored positions need logits a hit lacks
+                hits, num_cached = KVCacheBlocks.empty(self.kv.num_groups), 0
             if self.kv.waits_for_fill(req, num_cached):
                 break  # its next prompt block is being written by this step: next step it hits it instead
             n = min(req.num_tokens - num_cached, budget)  # only uncached tokens cost budget
