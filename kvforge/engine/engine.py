@@ -17,6 +17,7 @@ from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
 from kvforge.engine.dtype_choice import resolve_dtype
 from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
+from kvforge.engine.logits_processors import bad_words_token_ids
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
@@ -217,12 +218,16 @@ class LLMEngine:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         self.check_request(prompt_token_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer; this engine has none")
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.samples:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
-        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n,
+        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.num_samples,
                       kv_budget=self._kv_budget(params))
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt)

@@ -177,7 +177,8 @@ class ModelRunner:
             r.eos_token_ids if (r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.ignore_eos) else ()
             for r in sampling
         ]
-        results = sample(logits, params, gens, banned)
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in sampling]
+        results = sample(logits, params, gens, banned, histories)
         return RunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, scores)
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:

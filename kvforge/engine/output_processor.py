@@ -9,7 +9,7 @@ holding the samples that advanced, and the last one carries all n completions.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvforge.engine.detokenizer import IncrementalDetokenizer
 from kvforge.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -75,7 +75,7 @@ class OutputProcessor:
         self.states[req.request_id] = _State(
             detok, stops,
             logprobs=[] if p.logprobs is not None else None,
-            cumulative_logprob=0.0 if p.logprobs is not None else None,
+            cumulative_logprob=0.0 if p.logprobs is not None or p.num_samples > p.n else None,
         )
 
     def record_prompt_scores(self, request_id: str, scores: PromptScores) -> None:
@@ -97,7 +97,8 @@ class OutputProcessor:
             top = dict(result.top_logprobs or {})
             top[result.token_id] = result.logprob
             st.logprobs.append(top)
-            st.cumulative_logprob = (st.cumulative_logprob or 0.0) + result.logprob
+        if st.cumulative_logprob is not None and result.logprob is not None:
+            st.cumulative_logprob += result.logprob
         stop_hit = False
         if st.detok is not None:
             token = req.output_token_ids[-1]
@@ -136,6 +137,9 @@ class OutputProcessor:
         if finished:
             g.metrics.finished_time = time.monotonic()
             completions = [g.finals[i] for i in sorted(g.finals)]
+            if req.sampling_params.num_samples > req.sampling_params.n:  # best_of: the n most likely, reindexed
+                best = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))[: req.sampling_params.n]
+                completions = [replace(c, index=i) for i, c in enumerate(best)]
             del self.groups[gid]
         return RequestOutput(gid, g.prompt, list(g.prompt_token_ids), sorted(completions, key=lambda c: c.index),
                              finished, req.num_cached_prompt_tokens, g.metrics, dict(req.cached_tokens_by_tier),
