@@ -24,12 +24,7 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 def tokenize(serving: OpenAIServing, body: Any) -> dict:
     """{"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens", "token_strs"}."""
-    tok = serving.tokenizer
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    if tok is None:
-        raise APIError("this model has no tokenizer", param="prompt")
-    _check_model(serving, body)
+    tok = _checked(serving, body, "prompt")
     if "messages" in body:
         chat = parse_chat_request({"messages": body["messages"],
                                    "add_generation_prompt": _flag(body, "add_generation_prompt", True)})
@@ -47,12 +42,7 @@ def tokenize(serving: OpenAIServing, body: Any) -> dict:
 
 def detokenize(serving: OpenAIServing, body: Any) -> dict:
     """{"tokens": [ids]} -> {"prompt": text}."""
-    tok = serving.tokenizer
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    if tok is None:
-        raise APIError("this model has no tokenizer", param="tokens")
-    _check_model(serving, body)
+    tok = _checked(serving, body, "tokens")
     ids = body.get("tokens")
     vocab = serving.limits.vocab_size
     if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)):
@@ -76,11 +66,17 @@ def tokenizer_info(serving: OpenAIServing) -> dict:
             "add_eos_token": False, "chat_template": tok.chat_template}
 
 
-def _check_model(serving: OpenAIServing, body: dict) -> None:
+def _checked(serving: OpenAIServing, body: Any, param: str) -> Any:
+    """The tokenizer, once the body is an object naming this server's model (or none)."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    if serving.tokenizer is None:
+        raise APIError("this model has no tokenizer", param=param)
     model = body.get("model")
     if model is not None and model != serving.model_name:
         raise APIError(f"the model '{model}' does not exist; this server serves '{serving.model_name}'",
                        status=404, param="model", code="model_not_found")
+    return serving.tokenizer
 
 
 def add_tokenizer_routes(app: FastAPI, serving: OpenAIServing, read_body: Any, dependencies: list) -> None:
