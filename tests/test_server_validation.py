@@ -83,6 +83,8 @@ def test_bad_completion_fields(http, patch, param, word):
 
 
 BAD_CHATS = [
+    ({"echo": True}, "echo"),
+    ({"logit_bias": {"1": "a"}}, "logit_bias"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0]"),

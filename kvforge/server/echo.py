@@ -28,17 +28,17 @@ def _plain(entries: list[dict[int, Logprob] | None] | None, n: int) -> list[dict
 
 
 def echo_choice(tok: Tokenizer | None, out: RequestOutput, c: CompletionOutput, k: int | None,
-                scored_only: bool) -> tuple[str, dict | None, list[int]]:
-    """(text, logprobs, generated token ids) of one echoed choice; `scored_only`: max_tokens 0, the prompt alone."""
+                scored_only: bool) -> tuple[str, dict | None]:
+    """(text, logprobs) of one echoed choice; `scored_only`: max_tokens 0, the prompt alone."""
     text = prompt_text(tok, out.prompt, out.prompt_token_ids)
     gen_ids = [] if scored_only else list(c.token_ids)
     if not scored_only:
         text += c.text
     if k is None or tok is None:
-        return text, None, gen_ids
+        return text, None
     ids = list(out.prompt_token_ids) + gen_ids
     entries = _plain(out.prompt_logprobs, len(out.prompt_token_ids)) + list((c.logprobs or [])[: len(gen_ids)])
-    return text, completion_logprobs(tok, ids, entries, k), gen_ids
+    return text, completion_logprobs(tok, ids, entries, k)
 
 
 def vllm_prompt_logprobs(tok: Tokenizer | None, entries: list[dict[int, Logprob] | None] | None) -> list | None:

@@ -176,6 +176,8 @@ def parse_chat_request(body: Any) -> GenerationRequest:
             messages[i] = m
         elif not isinstance(content, str):
             raise APIError(f"'messages[{i}].content' must be a string, got {_show(content)}", param=f"messages[{i}].content")
+    if body.get("echo"):
+        raise APIError("'echo' is not supported on chat completions; use /v1/completions with echo", param="echo")
     req.messages = messages
     req.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), "a boolean", True)
     req.max_tokens = _max_tokens(body, "max_completion_tokens")

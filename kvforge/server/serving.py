@@ -111,7 +111,7 @@ class OpenAIServing:
                 else:
                     text = c.text
                     if req.echo:  # the prompt's text and scores first (kvforge/server/echo.py)
-                        text, lp, _ = echo_choice(self.tokenizer, finals[p], c, req.logprobs, req.max_tokens == 0)
+                        text, lp = echo_choice(self.tokenizer, finals[p], c, req.logprobs, req.max_tokens == 0)
                     choice = {"index": idx, "text": text, "logprobs": lp,
                               "finish_reason": "length" if req.max_tokens == 0 else c.finish_reason,
                               "stop_reason": None if req.max_tokens == 0 else c.stop_reason}
@@ -182,7 +182,7 @@ class OpenAIServing:
         else:
             choice["text"] = c.delta_text
             if req.echo and first:  # the first chunk of a choice carries the prompt (everything before it was empty)
-                choice["text"], choice["logprobs"], _ = echo_choice(self.tokenizer, out, c, req.logprobs,
+                choice["text"], choice["logprobs"] = echo_choice(self.tokenizer, out, c, req.logprobs,
                                                                     req.max_tokens == 0)
             if req.prompt_logprobs is not None and first:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, out.prompt_logprobs)
