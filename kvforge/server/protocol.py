@@ -209,7 +209,8 @@ def parse_logits_fields(body: dict) -> dict[str, Any]:
             raise APIError(f"'logit_bias' must be an object {{token id: bias}}, got {_show(bias)}", param="logit_bias")
         parsed = {}
         for k, v in bias.items():
-            if not (isinstance(k, str) and k.strip().isdigit()) or not isinstance(v, (int, float)) or isinstance(v, bool):
+            key_ok = isinstance(k, str) and k.strip().isascii() and k.strip().isdigit()
+            if not key_ok or not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise APIError(f"'logit_bias' maps token ids to numbers, got {_show({k: v})}", param="logit_bias")
             if not -100 <= v <= 100:
                 raise APIError(f"'logit_bias' values must be in [-100, 100], got {v} for token {k}", param="logit_bias")

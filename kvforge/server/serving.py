@@ -184,8 +184,8 @@ class OpenAIServing:
             if req.echo and first:  # the first chunk of a choice carries the prompt (everything before it was empty)
                 choice["text"], choice["logprobs"] = echo_choice(self.tokenizer, out, c, req.logprobs,
                                                                     req.max_tokens == 0)
-            if req.prompt_logprobs is not None and first:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, out.prompt_logprobs)
+        if req.prompt_logprobs is not None and first:  # vLLM's extension, with the choice's first chunk
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, out.prompt_logprobs)
         if req.max_tokens == 0:
             choice["finish_reason"] = "length"
         if c.finished:
