@@ -24,7 +24,7 @@ def test_repetition_penalty_matches_transformers():
     from transformers import RepetitionPenaltyLogitsProcessor
 
     logits = _logits(2)
-    prompts, outs = [[1, 2, 3, 3], [7]], [[4, 1], [8, 9, 7]]
+    prompts, outs = [[1, 2, 3, 3], [7]], [[4, 1], [8, 0, 9, 7]]  # ragged rows; token 0 is a token too
     got = apply_logits_processors(logits.clone(), [SamplingParams(repetition_penalty=1.7),
                                                    SamplingParams(repetition_penalty=0.6)],
                                   list(zip(prompts, outs)))
@@ -36,9 +36,9 @@ def test_repetition_penalty_matches_transformers():
 
 def test_presence_and_frequency_follow_openai_formula():
     logits = _logits(2)
-    prompt, out = [5, 5, 5, 6], [1, 2, 2, 2, 9]  # the prompt's tokens are not penalized
+    prompt, out = [5, 5, 5, 6], [1, 2, 2, 2, 9, 0]  # the prompt's tokens are not penalized
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), SamplingParams()]
-    got = apply_logits_processors(logits.clone(), params, [(prompt, out), (prompt, out)])
+    got = apply_logits_processors(logits.clone(), params, [(prompt, out), (prompt, out[:2])])
     want = logits[0].clone()
     counts = torch.bincount(torch.tensor(out), minlength=V).float()
     want -= counts * 0.25 + (counts > 0).float() * 0.5

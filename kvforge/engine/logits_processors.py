@@ -46,23 +46,28 @@ def _id_matrix(seqs: list[Sequence[int]], pad: int, device: torch.device) -> tor
 
 def _penalties(logits: torch.Tensor, params: list[SamplingParams],
                histories: list[tuple[Sequence[int], Sequence[int]]], rows: list[int]) -> None:
+    """Gather / scatter over each row's own token ids: O(batch x history), never a pass over the vocabulary."""
     vocab, dev = logits.shape[-1], logits.device
-    sub = logits[rows]
+    whole = rows == list(range(logits.shape[0]))
+    sub = logits if whole else logits[rows]
     rep = torch.tensor([p.repetition_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
-    if (rep != 1.0).any():
-        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
-        seen.scatter_(1, _id_matrix([list(pr) + list(out) for pr, out in histories], vocab, dev), True)
-        penalized = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen[:, :vocab], penalized, sub)
+    if (rep != 1.0).any():  # padded with each row's first id: a duplicate writes the same value
+        seen = [list(pr) + list(out) for pr, out in histories]
+        ids = _id_matrix(seen, -1, dev)
+        ids = torch.where(ids < 0, ids[:, :1], ids)
+        vals = sub.gather(1, ids)
+        sub.scatter_(1, ids, torch.where(vals > 0, vals / rep, vals * rep))
     freq = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
     pres = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
-    if (freq != 0).any() or (pres != 0).any():
-        ids = _id_matrix([out for _, out in histories], vocab, dev)
-        counts = torch.zeros(len(rows), vocab + 1, dtype=sub.dtype, device=dev)
-        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=sub.dtype))
-        counts = counts[:, :vocab]
-        sub = sub - freq * counts - pres * (counts > 0).to(sub.dtype)
-    logits[rows] = sub
+    if ((freq != 0) | (pres != 0)).any():
+        ids = _id_matrix([out for _, out in histories], vocab, dev).sort(dim=1).values  # padding (vocab) last
+        real = ids < vocab
+        first = torch.ones_like(real)
+        first[:, 1:] = ids[:, 1:] != ids[:, :-1]  # one presence per distinct token
+        delta = -(freq * real.to(sub.dtype) + pres * (first & real).to(sub.dtype))
+        sub.scatter_add_(1, torch.where(real, ids, 0), delta)
+    if not whole:
+        logits[rows] = sub
 
 
 def _bias_and_masks(logits: torch.Tensor, params: list[SamplingParams], outputs: list[Sequence[int]],
