@@ -72,3 +72,13 @@ def test_prompt_logprobs_only_for_requests_that_ask_and_with_n(tiny_model_factor
 def test_prompt_logprobs_validated():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_reduction_in_slices_equals_one_pass(monkeypatch):
+    import kvforge.engine.prompt_logprobs as pl
+
+    logits = torch.randn(600, 40, generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 40, (600,), generator=torch.Generator().manual_seed(1))
+    sliced = pl.score_rows(logits, targets, 3)  # 600 rows: three slices of at most REDUCE_ROWS
+    monkeypatch.setattr(pl, "REDUCE_ROWS", 10**6)
+    assert sliced == pl.score_rows(logits, targets, 3) and len(sliced) == 600

@@ -4,8 +4,8 @@ Position j's logits predict token j + 1, so a prompt of P tokens has P - 1 score
 token has no logprob, and the last position's logits predict the first generated token, which the sampler
 handles). A prefill chunk covering positions [start, end) scores [start, min(end, P - 1)): only those rows
 of the flattened batch go through the lm_head, next to the sampling rows, and they are reduced (log-softmax,
-the prompt token's logprob and rank, the top k) before the next chunk runs. Memory therefore stays at one
-step's scored rows x vocab, never a whole [P, vocab] tensor.
+the prompt token's logprob and rank, the top k) before the next chunk runs, 256 rows at a time. Memory
+therefore stays at one step's scored rows x vocab (the token budget bounds it), never a whole [P, vocab].
 
 Scored positions need their logits, which a prefix-cache hit does not have: a request that asks for prompt
 logprobs takes no prefix hit (the scheduler skips the lookup, as vLLM does), though the blocks it computes are
@@ -68,8 +68,14 @@ def score_chunks(logits: torch.Tensor, spans: list[tuple[ScheduledChunk, int, in
     return out
 
 
+REDUCE_ROWS = 256  # rows reduced at a time: log-softmax and rank temporaries stay at 256 x vocab
+
+
 def score_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
     """Per row: {target: its logprob and rank (1 = most likely)} plus the top `k` tokens (rank 1..k)."""
+    if logits.shape[0] > REDUCE_ROWS:
+        return [e for i in range(0, logits.shape[0], REDUCE_ROWS)
+                for e in score_rows(logits[i: i + REDUCE_ROWS], targets[i: i + REDUCE_ROWS], k)]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, targets[:, None])[:, 0]
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
