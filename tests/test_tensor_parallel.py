@@ -42,6 +42,14 @@ def _assert_same(single, tp):
     assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
     # the pool is too small for the batch: both engines preempted, the same way (one scheduler decides)
     assert tp.engine.scheduler.num_preemptions == single.engine.scheduler.num_preemptions > 0
+    # prompt logprobs (scored rows gathered next to the sampling rows) and penalties, under the same preemptions
+    scored = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, repetition_penalty=1.3, ignore_eos=True)
+    pa = single.generate(prompt_token_ids=PROMPTS, sampling_params=scored)
+    pb = tp.generate(prompt_token_ids=PROMPTS, sampling_params=scored)
+    for x, y in zip(pa, pb):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for ex, ey in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+            assert ex.keys() == ey.keys() and all(abs(ex[t].logprob - ey[t].logprob) < 1e-4 for t in ex)
     la, lb = single.engine.prompt_logits(PROMPTS[3]), tp.engine.prompt_logits(PROMPTS[3])
     assert la.shape == lb.shape and (la - lb).abs().max().item() < 1e-4
     tp.engine.check_integrity()

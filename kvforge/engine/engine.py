@@ -21,6 +21,7 @@ from kvforge.engine.dtype_choice import resolve_dtype
 from kvforge.engine.errors import EngineFatal, StepFailed
 from kvforge.engine.gpu_memory import plan_for_engine, uses_gpu_memory_utilization
 from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
+from kvforge.engine.logits_processors import bad_words_token_ids
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
@@ -221,12 +222,16 @@ class LLMEngine:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         self.check_request(prompt_token_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer; this engine has none")
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.samples:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
-        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n,
+        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.num_samples,
                       kv_budget=self._kv_budget(params))
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt)
@@ -301,6 +306,8 @@ class LLMEngine:
             sched_out.attention_scoring = self.eviction.scoring_for(sched_out.chunks)
         ran = self.runner.execute(sched_out)
         results = ran.sampled
+        for rid, scores in ran.prompt_scores.items():  # SamplingParams.prompt_logprobs
+            self.outputs.record_prompt_scores(rid, scores)
         self.kv_map.after_step(sched_out, self)
         if self.eviction is not None:
             self.eviction.collect(ran.attention_mass, sched_out.chunks)

@@ -20,6 +20,7 @@ import torch
 
 from kvforge.attention.mass import AttentionMassRequest
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
+from kvforge.engine.prompt_logprobs import plan_scored_rows, score_chunks
 from kvforge.engine.request import Request
 from kvforge.engine.runner_output import ModelRunnerOutput, mass_for
 from kvforge.engine.sampler import sample
@@ -155,17 +156,23 @@ class ModelRunner:
                 for r in (c.request, *c.forks):
                     rows.append(row - 1)
                     sampling.append(r)
-        logits = self._forward_logits(input_ids, positions, meta, rows)
-        if logits is None:  # nothing sampled this step
+        score_rows, spans = plan_scored_rows(chunks, order)  # SamplingParams.prompt_logprobs (prompt_logprobs.py)
+        logits = self._forward_logits(input_ids, positions, meta, rows + score_rows)
+        if logits is None:  # nothing sampled or scored this step
             return ModelRunnerOutput(attention_mass=mass)
+        scores = score_chunks(logits[len(rows):], spans) if spans else {}
+        if not rows:
+            return ModelRunnerOutput(attention_mass=mass, prompt_scores=scores)
+        logits = logits[: len(rows)]
         params = [r.sampling_params for r in sampling]
         gens = [self._generator(r.request_id, r.sampling_params.seed, r.sample_index) for r in sampling]
         banned = [
             r.eos_token_ids if (r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.ignore_eos) else ()
             for r in sampling
         ]
-        results = sample(logits, params, gens, banned)
-        return ModelRunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, mass)
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in sampling]
+        results = sample(logits, params, gens, banned, histories)
+        return ModelRunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, mass, scores)
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
         """Seeded requests own a generator (sample i of n: `sample_seed(seed, i)`), kept across preemption."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvforge.engine.logits_processors import apply_logits_processors
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.models.fused import argmax_rows
 
@@ -26,8 +27,12 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     banned: list[tuple[int, ...]] | None = None,
+    histories: list[tuple[list[int], list[int]]] | None = None,
 ) -> list[SampleResult]:
-    """logits: [B, V] fp32. `banned[i]` token ids are masked (EOS before min_tokens)."""
+    """logits: [B, V] fp32. `banned[i]` token ids are masked (EOS before min_tokens); `histories[i]`: row i's
+    (prompt, output) ids, for penalties and bad words (kvforge/engine/logits_processors.py)."""
+    if histories is not None:
+        logits = apply_logits_processors(logits, params, histories)
     if banned is not None:
         for i, ids in enumerate(banned):
             if ids:
@@ -42,7 +47,7 @@ def sample(
         probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
         for j, i in enumerate(random_rows):
             chosen[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
-    want_logprobs = [p.logprobs is not None for p in params]
+    want_logprobs = [p.logprobs is not None or p.num_samples > p.n for p in params]  # best_of ranks by logprob
     logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
     results = []
     chosen_list = chosen.tolist()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvforge.config import SchedulerConfig
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.kv.interface import BlockCopies, KVCacheCoordinatorProtocol, KVExport, KVLoad
+from kvforge.kv.interface import BlockCopies, KVCacheBlocks, KVCacheCoordinatorProtocol, KVExport, KVLoad
 
 
 @dataclass
@@ -167,7 +167,10 @@ class Scheduler:
         num_seqs = sum(r.num_seqs for r in self.running)
         while self.waiting and budget > 0 and num_seqs + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_cached = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is None:
+                hits, num_cached = self.kv.get_computed_blocks(req)
+            else:  # scored positions need logits, which a hit lacks: no lookup (nor tier load) at all
+                hits, num_cached = KVCacheBlocks.empty(self.kv.num_groups), 0
             if self.kv.waits_for_fill(req, num_cached):
                 break  # its next prompt block is being written by this step: next step it hits it instead
             n = min(req.num_tokens - num_cached, budget)  # only uncached tokens cost budget
