@@ -20,8 +20,12 @@ if TYPE_CHECKING:
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")  # model (compute) dtypes
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # llama-like layers with RMSNorm on q and k per head
-ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch")  # kvforge.attention implements them
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given
+ATTENTION_BACKENDS = ("auto", "cpu", "sdpa", "torch", "triton")  # kvforge.attention implements them
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_kv_blocks is given (CPU)
+
+
+class DefaultBytes(int):
+    """The default KV size, marked as not asked for: on CUDA, gpu_memory_utilization sizes the pool instead."""
 # what --kv-cache-dtype/--k-cache-dtype/--v-cache-dtype accept: the ledger's canonical names and aliases
 KV_CACHE_DTYPES = KV_FORMAT_DTYPES + tuple(KV_DTYPE_ALIASES)
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # canonical names ("fp8" is an alias of fp8_e4m3)
@@ -140,6 +144,9 @@ class CacheConfig:
     kv_cache_memory: int | str | None = option(
         None, "KV cache size in bytes or like 2GiB (default 1GiB unless --num-kv-blocks is given)")
     num_kv_blocks: int | None = option(None, "exact number of KV blocks instead of a memory size")
+    gpu_memory_utilization: float = option(
+        0.9, "CUDA: fraction of GPU memory this engine may use; the KV pool takes what weights, other "
+        "processes and a profiled forward pass leave (unless kv_cache_memory or num_kv_blocks is given)")
     kv_cache_dtype: str = option(
         "auto", "K and V storage: auto (model dtype), 16/32-bit floats, fp8 (e4m3), fp8_e5m2, int8, int4",
         choices=KV_CACHE_DTYPES)
@@ -166,11 +173,16 @@ class CacheConfig:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         memory = self.kv_cache_memory
         if memory is None and self.num_kv_blocks is None:
-            memory = DEFAULT_KV_CACHE_MEMORY
+            memory = DefaultBytes(DEFAULT_KV_CACHE_MEMORY)
         # parsed here and only here: from now on an int of bytes (or None when num_kv_blocks sizes the pool)
-        object.__setattr__(self, "kv_cache_memory", None if memory is None else parse_bytes(memory, "kv_cache_memory"))
+        if memory is not None and not isinstance(memory, DefaultBytes):
+            memory = parse_bytes(memory, "kv_cache_memory")
+        object.__setattr__(self, "kv_cache_memory", memory)
 
     def cache_format(self, model_dtype: str) -> KVCacheFormat:
         """K and V storage dtypes ("auto" = the model's) and, when either is quantized, the scale granularity."""

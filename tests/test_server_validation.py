@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from kvforge.server.auth import ENV_VAR, resolve_api_key
+from kvforge.server.auth import resolve_api_key
 from server_fixtures import MODEL_NAME, start_server, tiny_model_dir, wait_idle_and_check_blocks
 
 OK_COMPLETION = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 3}
@@ -63,8 +63,16 @@ BAD_COMPLETIONS = [
     ({"stop": [""]}, "stop", "non-empty"),
     ({"seed": 1.5}, "seed", "integer"),
     ({"logprobs": 99}, "logprobs", "[0, 20]"),
-    ({"echo": True}, "echo", "not supported"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"echo": "yes"}, "echo", "boolean"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias", "vocabulary"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
+    ({"bad_words": "bad"}, "bad_words", "list of strings"),
+    ({"best_of": 1, "n": 2}, "best_of", ">= n"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "[0, 20]"),
     ({"model": 7}, "model", "string"),
 ]
 
@@ -75,6 +83,8 @@ def test_bad_completion_fields(http, patch, param, word):
 
 
 BAD_CHATS = [
+    ({"echo": True}, "echo"),
+    ({"logit_bias": {"1": "a"}}, "logit_bias"),
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0]"),
@@ -178,10 +188,10 @@ def test_api_key_required_everywhere_but_health(model_dir):
 
 
 def test_api_key_from_environment(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "from-env")
+    monkeypatch.setenv("KVFORGE_API_KEY", "from-env")
     assert resolve_api_key(None) == "from-env"
     assert resolve_api_key("flag") == "flag"
-    monkeypatch.setenv(ENV_VAR, "")
+    monkeypatch.setenv("KVFORGE_API_KEY", "")
     assert resolve_api_key(None) is None
 
 

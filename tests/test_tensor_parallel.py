@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from kvforge import LLM, SamplingParams
 from kvforge.engine.parallel.executor import RankFailure
 from tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.slow  # two-rank engines in subprocesses
 
 PROMPTS = [[(7 * i + 3 * j) % 250 for j in range(6 + 5 * i)] for i in range(4)]
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -41,6 +42,14 @@ def _assert_same(single, tp):
     assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
     # the pool is too small for the batch: both engines preempted, the same way (one scheduler decides)
     assert tp.engine.scheduler.num_preemptions == single.engine.scheduler.num_preemptions > 0
+    # prompt logprobs (scored rows gathered next to the sampling rows) and penalties, under the same preemptions
+    scored = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, repetition_penalty=1.3, ignore_eos=True)
+    pa = single.generate(prompt_token_ids=PROMPTS, sampling_params=scored)
+    pb = tp.generate(prompt_token_ids=PROMPTS, sampling_params=scored)
+    for x, y in zip(pa, pb):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for ex, ey in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+            assert ex.keys() == ey.keys() and all(abs(ex[t].logprob - ey[t].logprob) < 1e-4 for t in ex)
     la, lb = single.engine.prompt_logits(PROMPTS[3]), tp.engine.prompt_logits(PROMPTS[3])
     assert la.shape == lb.shape and (la - lb).abs().max().item() < 1e-4
     tp.engine.check_integrity()
@@ -57,10 +66,8 @@ def test_gqa_tp2_matches_tp1_and_a_killed_rank_fails_clearly(tmp_path_factory):
         rows = dict(tp.engine.report.parallel)
         assert "1 of 2 KV heads per rank" in rows["tensor parallel"] and rows["kv replication"].startswith("x1")
         os.kill(_rank_pid(tp, 1), signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(RankFailure, match="rank 1"):
+        with pytest.raises(RankFailure, match="rank 1"):  # raised, not hung: the dead rank is noticed
             tp.generate(prompt_token_ids=PROMPTS[:1], sampling_params=PARAMS)
-        assert time.monotonic() - start < 60
         with pytest.raises(RankFailure):  # and it stays failed, with the same message
             tp.generate(prompt_token_ids=PROMPTS[:1], sampling_params=PARAMS)
         assert not any(p.is_alive() for p in tp.engine.executor.procs)  # the other rank was stopped too

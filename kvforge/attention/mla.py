@@ -40,6 +40,10 @@ class _AbsorbedView:
         c_kv, k_rope = self.cache.gather_latent(block_tables)
         return torch.cat((c_kv, k_rope), dim=-1)[:, :, None], c_kv[:, :, None]
 
+    def absorbed_latent(self) -> tuple[torch.Tensor, int]:
+        """The latent pool and its kv_lora_rank, for kernels that read K and V from it in place (Triton)."""
+        return self.cache.latent, self.cache.kv_lora_rank
+
     def kernel_views(self) -> tuple[cpu_kernel.PoolView | None, cpu_kernel.PoolView | None]:
         """The same K and V read in place by the CPU decode kernel: one latent pool, two widths."""
         latent = self.cache.latent

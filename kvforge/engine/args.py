@@ -39,7 +39,9 @@ class ModelOptions:
     seed: int = option(0, "seed for requests that do not set their own")
     attention_backend: str = option(
         "auto", "auto = cpu on CPU when a C compiler is present, else sdpa; cpu = in-place C kernels; "
-        "sdpa = PyTorch fused kernels; torch = reference implementation", choices=ATTENTION_BACKENDS)
+        "sdpa = PyTorch fused kernels; torch = reference implementation; triton = in-place Triton kernels "
+        "(the auto choice on CUDA)", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = option(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *SUPPORTED_DTYPES):

@@ -13,11 +13,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvforge.attention import check_backend_device
 from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
+from kvforge.engine.cuda_graphs import decode_graphs_for
 from kvforge.engine.dtype_choice import resolve_dtype
 from kvforge.engine.errors import EngineFatal, StepFailed
+from kvforge.engine.gpu_memory import plan_for_engine, uses_gpu_memory_utilization
 from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
+from kvforge.engine.logits_processors import bad_words_token_ids
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
 from kvforge.engine.outputs import RequestOutput
@@ -61,6 +65,7 @@ class LLMEngine:
             self.tokenizer = checkpoint.tokenizer
             self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
             self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            check_backend_device(opts.attention_backend, self.device.type)  # e.g. triton on CPU, no interpreter
             dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
             opts = config.model_options
@@ -94,8 +99,12 @@ class LLMEngine:
         shape = cfg.kv_shape()
         if self.executor is not None:  # one device's share: its own KV heads (replicated when too few)
             shape = tensor_parallel_kv(shape, config.parallel_config.tensor_parallel_size).per_device
+        kv_memory, self.gpu_memory = cache_cfg.kv_cache_memory or 0, None
+        if uses_gpu_memory_utilization(cache_cfg, self.device, self.executor is not None):
+            self.gpu_memory = plan_for_engine(self)  # profiled: gpu_memory_utilization's share, as vLLM
+            kv_memory = self.gpu_memory.kv_bytes
         num_blocks = cache_cfg.num_kv_blocks or num_blocks_for_memory(
-            cache_cfg.kv_cache_memory or 0, shape, cache_cfg.block_size, self.cache_format
+            kv_memory, shape, cache_cfg.block_size, self.cache_format
         )
         max_model_len = sched.max_model_len or cfg.max_position_embeddings
         self.scheduler_config = replace(sched, max_model_len=max_model_len)
@@ -133,6 +142,9 @@ class LLMEngine:
             )
             self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
                                       opts.attention_backend)
+            self.runner.decode_graphs = decode_graphs_for(self.model, caches, self.device, opts.enforce_eager,
+                                                          sched.max_num_seqs, max_model_len, cache_cfg.block_size,
+                                                          opts.attention_backend)
             self.report: StartupReport = build_startup_report(
                 self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
             )
@@ -141,6 +153,8 @@ class LLMEngine:
             check_eviction_supported(cfg, len(groups))
             self.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.report.dtype_reason = self.dtype_reason
+        if self.gpu_memory is not None:
+            self.report.kv_sizing = self.gpu_memory.describe()
         if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text
@@ -208,12 +222,16 @@ class LLMEngine:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
             prompt_token_ids = self.tokenizer.encode(prompt)
         self.check_request(prompt_token_ids, params)
+        if params.bad_words and not params.bad_words_token_ids:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer; this engine has none")
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.samples:
             raise ValueError(f"request_id {request_id!r} is already in use")
         eos = tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else self.model_config.eos_token_ids
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
-        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n,
+        req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.num_samples,
                       kv_budget=self._kv_budget(params))
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt)
@@ -288,9 +306,11 @@ class LLMEngine:
             sched_out.attention_scoring = self.eviction.scoring_for(sched_out.chunks)
         ran = self.runner.execute(sched_out)
         results = ran.sampled
+        for rid, scores in ran.prompt_scores.items():  # SamplingParams.prompt_logprobs
+            self.outputs.record_prompt_scores(rid, scores)
+        self.kv_map.after_step(sched_out, self)
         if self.eviction is not None:
             self.eviction.collect(ran.attention_mass, sched_out.chunks)
-        self.kv_map.after_step(sched_out, self)
         self.kv_usage.observe(self.kv, *stored_after_step(self.scheduler.running, sched_out.chunks))
         self.counters.num_steps += 1
         self.counters.num_prompt_tokens += sum(

@@ -14,11 +14,13 @@ coordinator, so it can run in another process (a tensor-parallel rank).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvforge.attention.mass import AttentionMassRequest
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
+from kvforge.engine.prompt_logprobs import plan_scored_rows, score_chunks
 from kvforge.engine.request import Request
 from kvforge.engine.runner_output import ModelRunnerOutput, mass_for
 from kvforge.engine.sampler import sample
@@ -49,7 +51,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)  # sampling runs on the device
+        self.decode_graphs: Any = None  # CUDA graphs of decode-only steps (engine/cuda_graphs.py), set on CUDA
         self.tiers: KVTiers | None = None  # KV tiers (kvforge.kv.tiers): their byte-moving side
         self.mover: BlockMover | None = None
 
@@ -153,17 +156,23 @@ class ModelRunner:
                 for r in (c.request, *c.forks):
                     rows.append(row - 1)
                     sampling.append(r)
-        logits = self._forward_logits(input_ids, positions, meta, rows)
-        if logits is None:  # nothing sampled this step
+        score_rows, spans = plan_scored_rows(chunks, order)  # SamplingParams.prompt_logprobs (prompt_logprobs.py)
+        logits = self._forward_logits(input_ids, positions, meta, rows + score_rows)
+        if logits is None:  # nothing sampled or scored this step
             return ModelRunnerOutput(attention_mass=mass)
+        scores = score_chunks(logits[len(rows):], spans) if spans else {}
+        if not rows:
+            return ModelRunnerOutput(attention_mass=mass, prompt_scores=scores)
+        logits = logits[: len(rows)]
         params = [r.sampling_params for r in sampling]
         gens = [self._generator(r.request_id, r.sampling_params.seed, r.sample_index) for r in sampling]
         banned = [
             r.eos_token_ids if (r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.ignore_eos) else ()
             for r in sampling
         ]
-        results = sample(logits, params, gens, banned)
-        return ModelRunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, mass)
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in sampling]
+        results = sample(logits, params, gens, banned, histories)
+        return ModelRunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, mass, scores)
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
         """Seeded requests own a generator (sample i of n: `sample_seed(seed, i)`), kept across preemption."""
@@ -171,7 +180,8 @@ class ModelRunner:
             return self.default_generator
         gen = self.generators.get(request_id)
         if gen is None:
-            gen = self.generators[request_id] = torch.Generator().manual_seed(sample_seed(seed, sample_index))
+            gen = torch.Generator(device=self.device).manual_seed(sample_seed(seed, sample_index))
+            self.generators[request_id] = gen
         return gen
 
     def _copy_blocks(self, by_group: list[list[tuple[int, int]]]) -> None:
@@ -185,15 +195,20 @@ class ModelRunner:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | list[AttentionMetadata],
         rows: list[int] | None,
     ) -> torch.Tensor | None:
-        """Forward pass, then float32 logits (on CPU) of the flattened batch's `rows` (None: every row; []: none).
+        """Forward pass, then float32 logits (on the model's device: sampling runs there, and the sampled ids
+        are the step's one host sync) of the flattened batch's `rows` (None: every row; []: none).
 
         The seam a multi-device executor overrides (kvforge/engine/parallel/executor.py runs it on its ranks)."""
+        if self.decode_graphs is not None and self.decode_graphs.serves(meta, input_ids.shape[0]):
+            logits = self.decode_graphs.run(input_ids, positions, meta)  # None: this size could not be captured
+            if logits is not None:
+                return logits if rows is None else sampled_rows(logits, rows) if rows else None
         hidden = self.model(input_ids, positions, self.caches, meta)
         if rows is not None:
             if not rows:
                 return None
             hidden = sampled_rows(hidden, rows)
-        return self.model.compute_logits(hidden).cpu()
+        return self.model.compute_logits(hidden)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -218,4 +233,4 @@ class ModelRunner:
             meta.attention_mass = mass  # type: ignore[union-attr]
         logits = self._forward_logits(input_ids, positions, meta, None)
         assert logits is not None
-        return logits, mass
+        return logits.cpu(), mass

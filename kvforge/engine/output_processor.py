@@ -9,10 +9,11 @@ holding the samples that advanced, and the last one carries all n completions.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvforge.engine.detokenizer import IncrementalDetokenizer
-from kvforge.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvforge.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvforge.engine.prompt_logprobs import PromptScores
 from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult
 from kvforge.engine.stop import StopStringMatcher
@@ -28,6 +29,7 @@ class _Group:
     metrics: RequestMetrics
     finals: dict[int, CompletionOutput]  # finished samples' last completion, by sample index
     evicted: dict[int, tuple[int, int]] | None = None  # KV eviction: (tokens, blocks) evicted, by sample index
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # by prompt position (None at 0)
 
 
 @dataclass
@@ -52,7 +54,8 @@ class OutputProcessor:
 
     def add(self, req: Request, prompt: str | None) -> None:
         self.groups[req.request_id] = _Group(
-            prompt, list(req.prompt_token_ids), req.num_seqs, RequestMetrics(req.arrival_time), {}
+            prompt, list(req.prompt_token_ids), req.num_seqs, RequestMetrics(req.arrival_time), {},
+            prompt_logprobs=[None] * req.num_prompt_tokens if req.sampling_params.prompt_logprobs is not None else None,
         )
         self._add_sample(req)
 
@@ -72,8 +75,14 @@ class OutputProcessor:
         self.states[req.request_id] = _State(
             detok, stops,
             logprobs=[] if p.logprobs is not None else None,
-            cumulative_logprob=0.0 if p.logprobs is not None else None,
+            cumulative_logprob=0.0 if p.logprobs is not None or p.num_samples > p.n else None,
         )
+
+    def record_prompt_scores(self, request_id: str, scores: PromptScores) -> None:
+        """Prompt logprobs one prefill chunk scored; stored by position, so a recompute after preemption overwrites."""
+        group = self.groups.get(request_id)
+        if group is not None and group.prompt_logprobs is not None:
+            group.prompt_logprobs[scores.first: scores.first + len(scores.entries)] = scores.entries
 
     def process(self, req: Request, result: SampleResult) -> tuple[CompletionOutput, bool]:
         """Record the token sample `req` just got; returns its completion and whether a stop string matched."""
@@ -88,7 +97,8 @@ class OutputProcessor:
             top = dict(result.top_logprobs or {})
             top[result.token_id] = result.logprob
             st.logprobs.append(top)
-            st.cumulative_logprob = (st.cumulative_logprob or 0.0) + result.logprob
+        if st.cumulative_logprob is not None and result.logprob is not None:
+            st.cumulative_logprob += result.logprob
         stop_hit = False
         if st.detok is not None:
             token = req.output_token_ids[-1]
@@ -127,9 +137,13 @@ class OutputProcessor:
         if finished:
             g.metrics.finished_time = time.monotonic()
             completions = [g.finals[i] for i in sorted(g.finals)]
+            if req.sampling_params.num_samples > req.sampling_params.n:  # best_of: the n most likely, reindexed
+                best = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))[: req.sampling_params.n]
+                completions = [replace(c, index=i) for i, c in enumerate(best)]
             del self.groups[gid]
         return RequestOutput(gid, g.prompt, list(g.prompt_token_ids), sorted(completions, key=lambda c: c.index),
-                             finished, req.num_cached_prompt_tokens, g.metrics, dict(req.cached_tokens_by_tier))
+                             finished, req.num_cached_prompt_tokens, g.metrics, dict(req.cached_tokens_by_tier),
+                             list(g.prompt_logprobs) if g.prompt_logprobs is not None else None)
 
     def _completion(self, req: Request, finished: bool) -> CompletionOutput:
         st = self.states[req.request_id]

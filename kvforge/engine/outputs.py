@@ -4,6 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """A token's log-probability and its rank in the vocabulary (1 = most likely), as vLLM reports them."""
+
+    logprob: float
+    rank: int
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -72,6 +80,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # num_cached_tokens per level: "device" (the block pool), and with KV tiers "host" and "disk"
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token {token id: Logprob} (its own and the top k); None first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_evicted_tokens(self) -> int:

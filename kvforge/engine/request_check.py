@@ -62,8 +62,13 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         raise RequestRejected(
             f"max_tokens is {params.max_tokens} but the prompt has {n} tokens and {limits.limit_name} is "
             f"{limits.max_seq_len}: at most {room} new tokens fit", "max_tokens", "context_length_exceeded")
-    if params.n > limits.max_num_seqs:
-        raise RequestRejected(f"n={params.n} exceeds max_num_seqs={limits.max_num_seqs}", "n")
+    if params.num_samples > limits.max_num_seqs:
+        name = "best_of" if params.best_of else "n"
+        raise RequestRejected(f"{name}={params.num_samples} exceeds max_num_seqs={limits.max_num_seqs}", name)
+    for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids", params.allowed_token_ids or [])):
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise RequestRejected(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", name)
     seed = params.seed  # re-checked: SamplingParams fields can be reassigned after validation
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX):
         raise RequestRejected(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}", "seed")

@@ -1,4 +1,5 @@
-"""What the model runner gives back for a step: the sampled tokens and, when asked, the attention mass.
+"""What the model runner gives back for a step: the sampled tokens and, when asked, the attention mass
+and the prompt logprobs.
 
 The runner reads only `SchedulerOutput` and returns only this, so it could live in another process:
 KV eviction's scores come back here (`attention_mass`, the rows `SchedulerOutput.attention_scoring`
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvforge.attention.mass import AttentionMassRequest
+from kvforge.engine.prompt_logprobs import PromptScores
 from kvforge.engine.sampler import SampleResult
 from kvforge.engine.scheduler import AttentionScoring
 
@@ -17,6 +19,7 @@ from kvforge.engine.scheduler import AttentionScoring
 class ModelRunnerOutput:
     sampled: dict[str, SampleResult] = field(default_factory=dict)  # request id -> its new token
     attention_mass: AttentionMassRequest | None = None  # filled by every layer; None unless scoring was asked
+    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)  # SamplingParams.prompt_logprobs, by request
 
 
 def mass_for(scoring: AttentionScoring) -> AttentionMassRequest:

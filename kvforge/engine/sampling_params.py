@@ -36,9 +36,19 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-k logprobs at each prompt token (plus its own), scored in prefill
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_budget: int | None = None  # KV eviction: tokens this request keeps (overrides the engine's kv_budget)
+    # logits processing (kvforge/engine/logits_processors.py), vLLM's names and ranges
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    best_of: int | None = None  # sample best_of, return the n with the highest cumulative logprob
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # set by the engine
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,8 +66,25 @@ class SamplingParams:
         check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens", "an integer >= 1 or None")
         check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an integer >= 0")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", "an integer in [0, 20] or None")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "an integer in [0, 20] or None")
         check(self.kv_budget is None or (_is_int(self.kv_budget) and self.kv_budget >= 1), "kv_budget",
               "a positive integer (tokens) or None")
+        check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]")
+        check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "a number > 0")
+        bias = self.logit_bias
+        check(bias is None or (isinstance(bias, dict) and all(_is_int(t) and t >= 0 and _is_num(v) and -100 <= v <= 100
+                                                               for t, v in bias.items())),
+              "logit_bias", "a dict {token id >= 0: bias in [-100, 100]}")
+        allowed = self.allowed_token_ids
+        check(allowed is None or (isinstance(allowed, list) and allowed and all(_is_int(t) and t >= 0 for t in allowed)),
+              "allowed_token_ids", "None or a non-empty list of token ids")
+        words = self.bad_words
+        check(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
+              "bad_words", "None or a list of non-empty strings")
+        check(self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n), "best_of",
+              f"None or an integer >= n ({self.n})")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         check(all(isinstance(s, str) and s for s in stops), "stop", "a non-empty string or a list of non-empty strings")
         self._stop = stops
@@ -70,6 +97,11 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs: best_of when set, else n."""
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

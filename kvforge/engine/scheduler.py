@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvforge.config import SchedulerConfig
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.kv.interface import BlockCopies, KVCacheCoordinatorProtocol, KVExport, KVLoad
+from kvforge.kv.interface import BlockCopies, KVCacheBlocks, KVCacheCoordinatorProtocol, KVExport, KVLoad
 
 
 @dataclass
@@ -62,8 +62,8 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     block_exports: list[KVExport] = field(default_factory=list)  # KV tiers: device blocks to copy down first
     block_loads: list[KVLoad] = field(default_factory=list)  # KV tiers: second-level blocks to load (after exports)
-    swapped: list[str] = field(default_factory=list)  # preempted requests whose blocks went to the host tier
     attention_scoring: AttentionScoring | None = None  # KV eviction: rows whose attention mass the runner returns
+    swapped: list[str] = field(default_factory=list)  # preempted requests whose blocks went to the host tier
 
     def add_copies(self, copies: BlockCopies) -> None:
         for group, pairs in zip(self.block_copies, copies):
@@ -167,7 +167,10 @@ class Scheduler:
         num_seqs = sum(r.num_seqs for r in self.running)
         while self.waiting and budget > 0 and num_seqs + self.waiting[0].num_seqs <= self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_cached = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is None:
+                hits, num_cached = self.kv.get_computed_blocks(req)
+            else:  # scored positions need logits, which a hit lacks: no lookup (nor tier load) at all
+                hits, num_cached = KVCacheBlocks.empty(self.kv.num_groups), 0
             if self.kv.waits_for_fill(req, num_cached):
                 break  # its next prompt block is being written by this step: next step it hits it instead
             n = min(req.num_tokens - num_cached, budget)  # only uncached tokens cost budget

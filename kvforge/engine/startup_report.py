@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge import envs
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
 from kvforge.models.linear import PANEL_DECODE_ROWS
@@ -50,8 +51,10 @@ class StartupReport:
     tiers: list[tuple[str, str]] = field(default_factory=list)  # KV tier rows (kvforge.kv.tiers.setup.ledger_rows)
     parallel: list[tuple[str, str]] = field(default_factory=list)  # tensor parallelism: per-device rows
     dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
+    kv_sizing: str = ""  # CUDA: how gpu_memory_utilization sized the pool (kvforge/engine/gpu_memory.py)
     kv_eviction: str = "none"
     kv_budget: int | None = None
+    environment: list[tuple[str, str]] = field(default_factory=list)  # KVFORGE_* variables set (kvforge.envs)
 
     @property
     def max_concurrency_evicting(self) -> float:
@@ -80,6 +83,7 @@ class StartupReport:
              if len(self.groups) < 2
              else f"{len(self.groups)} groups, one pool each (+1 null block each) = {format_bytes(self.kv_cache_bytes)}"),
             *self._group_rows(),
+            *((("kv sizing", self.kv_sizing),) if self.kv_sizing else ()),
             ("kv capacity", f"{self.token_capacity} tokens"),
             ("max_model_len", f"{self.max_model_len} -> {self.max_concurrency:.2f} full-length sequences at once"),
             *((("kv eviction", f"{self.kv_eviction}, budget {self.kv_budget} tokens per sequence -> "
@@ -91,6 +95,7 @@ class StartupReport:
             *((("linear layers", self.linear),) if self.linear else ()),
             *self.tiers,
             *self.parallel,
+            *((("environment", ", ".join(f"{k}={v}" for k, v in self.environment)),) if self.environment else ()),
         ]
         width = max(len(k) for k, _ in rows)
         return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -163,6 +168,7 @@ def report_for(
         linear=linear,
         kv_eviction=config.eviction_config.kv_eviction,
         kv_budget=config.eviction_config.kv_budget,
+        environment=envs.set_variables(),
     )
 
 

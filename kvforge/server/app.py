@@ -35,6 +35,7 @@ from kvforge.server.openapi import openapi_schema
 from kvforge.server.protocol import APIError, GenerationRequest, parse_chat_request, parse_completion_request
 from kvforge.server.request_group import ServerBusyError
 from kvforge.server.serving import OpenAIServing
+from kvforge.server.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("kvforge.server")
 RETRY_AFTER_SECONDS = 1  # what a 503 for a full queue tells the client
@@ -214,17 +215,28 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def chat_completions(request: Request) -> Response:
         return await generate(request, parse_chat_request(await body(request)))
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models() -> dict:
+    def model_card() -> dict:
         report = engine.engine.report
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "kvforge",
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "kvforge",
                 "root": model_name, "max_model_len": serving.max_model_len,
                 "kvforge": {  # the ledger: what the KV cache really holds, next to the configured limit
                     "configured_max_model_len": serving.limits.max_model_len,
                     "kv_cache_tokens": report.token_capacity, "kv_cache_blocks": report.num_blocks,
                     "block_size": report.block_size, "kv_cache_bytes": report.kv_cache_bytes,
                     "kv_cache_dtype": report.kv_dtype, "max_num_seqs": report.max_num_seqs}}
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def retrieve_model(model_id: str) -> dict:  # the openai SDK's models.retrieve
+        if model_id != model_name:
+            raise APIError(f"The model '{model_id}' does not exist", status=404, param="model",
+                           code="model_not_found")
+        return model_card()
+
+    add_tokenizer_routes(app, serving, body, [Depends(authorized)])  # /tokenize, /detokenize, /tokenizer_info
 
     @app.get("/health")
     async def health() -> Response:

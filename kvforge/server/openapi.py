@@ -32,9 +32,14 @@ _COMMON: dict[str, Any] = {
     "ignore_eos": _BOOL,
     "skip_special_tokens": _BOOL,
     "include_stop_str_in_output": _BOOL,
-    "presence_penalty": {"type": "number", "description": "only 0 (neutral) is supported"},
-    "frequency_penalty": {"type": "number", "description": "only 0 (neutral) is supported"},
-    "repetition_penalty": {"type": "number", "description": "only 1 (neutral) is supported"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "description": "OpenAI's, over generated tokens"},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "description": "OpenAI's, over generated tokens"},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "description": "transformers', prompt + output"},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id (a string) -> bias added to its logit"},
+    "allowed_token_ids": _TOKEN_IDS,
+    "bad_words": {"type": "array", "items": {"type": "string"}},
+    "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "description": "vLLM's: top-k per prompt token"},
 }
 
 COMPLETION_REQUEST: dict[str, Any] = {
@@ -47,10 +52,10 @@ COMPLETION_REQUEST: dict[str, Any] = {
             _TOKEN_IDS,
             {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string"}, _TOKEN_IDS]}},
         ]},
-        "max_tokens": {"type": "integer", "minimum": 1, "description": "default 16"},
+        "max_tokens": {"type": "integer", "minimum": 0, "description": "default 16; 0 only with echo (score the prompt)"},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
-        "echo": {"type": "boolean", "description": "only false is supported"},
-        "best_of": {"type": "integer", "description": "must equal n"},
+        "echo": {"type": "boolean", "description": "prepend the prompt (and its logprobs) to each choice"},
+        "best_of": {"type": "integer", "minimum": 1, "description": ">= n; not with stream"},
     },
 }
 
@@ -107,6 +112,22 @@ def _generation(summary: str, request_ref: str) -> dict[str, Any]:
     }}
 
 
+TOKENIZE_REQUEST: dict[str, Any] = {"type": "object", "properties": {
+    "model": {"type": "string"}, "prompt": {"type": "string"}, "messages": CHAT_REQUEST["properties"]["messages"],
+    "add_special_tokens": _BOOL, "add_generation_prompt": _BOOL, "return_token_strs": _BOOL}}
+DETOKENIZE_REQUEST: dict[str, Any] = {"type": "object", "required": ["tokens"], "properties": {
+    "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
+
+
+def _tokenizer_route(summary: str, request: dict[str, Any]) -> dict[str, Any]:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                     "responses": {"200": _json(_OBJECT, "result"),
+                                   "400": _json({"$ref": "#/components/schemas/Error"}, "invalid request"),
+                                   "401": _json({"$ref": "#/components/schemas/Error"}, "bad key"),
+                                   "404": _json({"$ref": "#/components/schemas/Error"}, "unknown model")}}}
+
+
 def openapi_schema(with_auth: bool) -> dict[str, Any]:
     schema: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -118,6 +139,18 @@ def openapi_schema(with_auth: bool) -> dict[str, Any]:
             "/v1/models": {"get": {"summary": "The served model, with its effective max_model_len and KV capacity",
                                    "responses": {"200": _json(_OBJECT, "model list"),
                                                  "401": _json({"$ref": "#/components/schemas/Error"}, "bad key")}}},
+            "/v1/models/{model_id}": {"get": {
+                "summary": "One model's card; 404 for any id but the served model's",
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json(_OBJECT, "model card"),
+                              "401": _json({"$ref": "#/components/schemas/Error"}, "bad key"),
+                              "404": _json({"$ref": "#/components/schemas/Error"}, "unknown model")}}},
+            "/tokenize": _tokenizer_route("Prompt or chat messages -> token ids, count, max_model_len",
+                                          TOKENIZE_REQUEST),
+            "/detokenize": _tokenizer_route("Token ids -> text", DETOKENIZE_REQUEST),
+            "/tokenizer_info": {"get": {"summary": "Special tokens, chat template and limits of the tokenizer",
+                                        "responses": {"200": _json(_OBJECT, "tokenizer info"),
+                                                      "401": _json({"$ref": "#/components/schemas/Error"}, "bad key")}}},
             "/health": {"get": {"summary": "200 while serving; 503 when the engine stopped or while draining",
                                 "security": [],
                                 "responses": {"200": _json(_OBJECT, "serving"),

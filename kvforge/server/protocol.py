@@ -38,6 +38,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # top-N to return per token; None = no logprobs
+    echo: bool = False  # completions: the prompt's text (and logprobs) come first (kvforge/server/echo.py)
+    prompt_logprobs: int | None = None  # vLLM's extension: top-k per prompt token in the response
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
 
 
@@ -53,6 +55,9 @@ _SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "skip_special_tokens": ((bool,), "a boolean"),
     "include_stop_str_in_output": ((bool,), "a boolean"),
     "kv_budget": ((int,), "an integer"),  # KV eviction: tokens this request keeps (engine started with kv_eviction)
+    "presence_penalty": ((int, float), "a number"),
+    "frequency_penalty": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"),
 }
 
 
@@ -102,19 +107,17 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         if v is not None:
             sampling[name] = v
     req.sampling = {k: v for k, v in sampling.items() if v is not None}
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = _get(body, name, (int, float), "a number")
-        if v is not None and v != (1 if name == "repetition_penalty" else 0):
-            raise APIError(f"'{name}' is not supported by kvforge (only the neutral value)", param=name)
-    if body.get("logit_bias"):
-        raise APIError("'logit_bias' is not supported by kvforge", param="logit_bias")
+    req.prompt_logprobs = _get(body, "prompt_logprobs", (int,), "an integer")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= 20:
+        raise APIError(f"'prompt_logprobs' must be in [0, 20], got {req.prompt_logprobs}", param="prompt_logprobs")
+    req.sampling.update(parse_logits_fields(body))
     return req
 
 
-def _max_tokens(body: dict, name: str) -> int | None:
+def _max_tokens(body: dict, name: str, allow_zero: bool = False) -> int | None:
     v = _get(body, name, (int,), "an integer")
-    if v is not None and v < 1:
-        raise APIError(f"'{name}' must be >= 1, got {v}", param=name)
+    if v is not None and v < (0 if allow_zero else 1):
+        raise APIError(f"'{name}' must be >= {0 if allow_zero else 1}, got {v}", param=name)
     return v
 
 
@@ -136,19 +139,23 @@ def parse_completion_request(body: Any) -> GenerationRequest:
         )
     if len(req.prompts) * req.n > 256:
         raise APIError(f"{len(req.prompts)} prompts x n={req.n} exceeds 256 completions per request", param="prompt")
-    req.max_tokens = _max_tokens(body, "max_tokens")
+    req.echo = _get(body, "echo", (bool,), "a boolean", False)
+    req.max_tokens = _max_tokens(body, "max_tokens", allow_zero=req.echo)  # 0 + echo: score the prompt only
     if body.get("max_tokens") is None:
         req.max_tokens = 16  # OpenAI's default for completions
     req.logprobs = _get(body, "logprobs", (int,), "an integer")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(f"'logprobs' must be in [0, 20], got {req.logprobs}", param="logprobs")
-    if _get(body, "echo", (bool,), "a boolean", False):
-        raise APIError("'echo' is not supported by kvforge", param="echo")
     if body.get("suffix") is not None:
         raise APIError("'suffix' is not supported by kvforge", param="suffix")
     best_of = _get(body, "best_of", (int,), "an integer")
     if best_of is not None and best_of != req.n:
-        raise APIError(f"'best_of' other than n is not supported by kvforge, got {best_of}", param="best_of")
+        if best_of < req.n:
+            raise APIError(f"'best_of' must be >= n ({req.n}), got {best_of}", param="best_of")
+        if req.stream:
+            raise APIError("'best_of' greater than n cannot be streamed (the best are known only at the end)",
+                           param="best_of")
+        req.sampling["best_of"] = best_of
     return req
 
 
@@ -169,6 +176,8 @@ def parse_chat_request(body: Any) -> GenerationRequest:
             messages[i] = m
         elif not isinstance(content, str):
             raise APIError(f"'messages[{i}].content' must be a string, got {_show(content)}", param=f"messages[{i}].content")
+    if body.get("echo"):
+        raise APIError("'echo' is not supported on chat completions; use /v1/completions with echo", param="echo")
     req.messages = messages
     req.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), "a boolean", True)
     req.max_tokens = _max_tokens(body, "max_completion_tokens")
@@ -188,6 +197,39 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise APIError("'response_format' other than {'type': 'text'} is not supported by kvforge", param="response_format")
     return req
+
+
+def parse_logits_fields(body: dict) -> dict[str, Any]:
+    """logit_bias (JSON keys are strings: token ids), allowed_token_ids and bad_words, type-checked; their
+    ranges and the vocabulary are checked by SamplingParams and the engine."""
+    out: dict[str, Any] = {}
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise APIError(f"'logit_bias' must be an object {{token id: bias}}, got {_show(bias)}", param="logit_bias")
+        parsed = {}
+        for k, v in bias.items():
+            key_ok = isinstance(k, str) and k.strip().isascii() and k.strip().isdigit()
+            if not key_ok or not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise APIError(f"'logit_bias' maps token ids to numbers, got {_show({k: v})}", param="logit_bias")
+            if not -100 <= v <= 100:
+                raise APIError(f"'logit_bias' values must be in [-100, 100], got {v} for token {k}", param="logit_bias")
+            parsed[int(k)] = float(v)
+        if parsed:
+            out["logit_bias"] = parsed
+    ids = body.get("allowed_token_ids")
+    if ids is not None:
+        if not (isinstance(ids, list) and ids and all(_is_int(t) for t in ids)):
+            raise APIError(f"'allowed_token_ids' must be a non-empty list of token ids, got {_show(ids)}",
+                           param="allowed_token_ids")
+        out["allowed_token_ids"] = list(ids)
+    words = body.get("bad_words")
+    if words is not None:
+        if not (isinstance(words, list) and all(isinstance(w, str) for w in words)):
+            raise APIError(f"'bad_words' must be a list of strings, got {_show(words)}", param="bad_words")
+        if words:
+            out["bad_words"] = list(words)
+    return out
 
 
 def _is_int(v: Any) -> bool:

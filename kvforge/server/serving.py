@@ -18,6 +18,7 @@ from kvforge.engine.outputs import CompletionOutput, RequestOutput
 from kvforge.engine.request_check import RequestRejected
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.server.async_engine import AsyncEngine
+from kvforge.server.echo import echo_choice, vllm_prompt_logprobs
 from kvforge.server.logprobs import chat_logprobs, completion_logprobs
 from kvforge.server.protocol import APIError, GenerationRequest
 from kvforge.server.request_group import EngineDeadError, RequestFailedError, RequestGroup, SubRequest
@@ -108,12 +109,22 @@ class OpenAIServing:
                     choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
                                     "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 else:
-                    choices.append({"index": idx, "text": c.text, "logprobs": lp,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    text = c.text
+                    if req.echo:  # the prompt's text and scores first (kvforge/server/echo.py)
+                        text, lp = echo_choice(self.tokenizer, finals[p], c, req.logprobs, req.max_tokens == 0)
+                    choice = {"index": idx, "text": text, "logprobs": lp,
+                              "finish_reason": "length" if req.max_tokens == 0 else c.finish_reason,
+                              "stop_reason": None if req.max_tokens == 0 else c.stop_reason}
+                    if req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, finals[p].prompt_logprobs)
+                    choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         obj = "chat.completion" if req.kind == "chat" else "text_completion"
-        return {"id": base, "object": obj, "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": _usage(subs, finals)}
+        body = {"id": base, "object": obj, "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": _usage(subs, finals, req.max_tokens == 0)}
+        if req.kind == "chat" and req.prompt_logprobs is not None:  # vLLM: one list for the chat's one prompt
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, finals[0].prompt_logprobs)
+        return body
 
     # ---- streaming -------------------------------------------------------------------------
     async def stream(self, req: GenerationRequest, base: str, subs: list[SubRequest],
@@ -145,7 +156,7 @@ class OpenAIServing:
                         continue  # a sample that finished earlier is repeated in its request's final output
                     if not (c.delta_text or c.finished or (req.logprobs is not None and c.delta_token_ids)):
                         continue  # e.g. half a UTF-8 character, or text held back as a possible stop string
-                    yield chunk([self._stream_choice(req, idx, c, sent_tokens)])
+                    yield chunk([self._stream_choice(req, idx, c, sent_tokens, out)])
                     if c.finished:
                         done.add(idx)
             if req.include_usage:
@@ -159,7 +170,9 @@ class OpenAIServing:
             group.abort()
         yield "data: [DONE]\n\n"
 
-    def _stream_choice(self, req: GenerationRequest, idx: int, c: CompletionOutput, sent: dict[int, int]) -> dict:
+    def _stream_choice(self, req: GenerationRequest, idx: int, c: CompletionOutput, sent: dict[int, int],
+                       out: RequestOutput) -> dict:
+        first = idx not in sent
         start = sent.get(idx, 0)
         sent[idx] = len(c.token_ids)
         lp = self._logprobs(req, c.token_ids[start:], (c.logprobs or [])[start:])
@@ -168,8 +181,15 @@ class OpenAIServing:
             choice["delta"] = {"content": c.delta_text} if c.delta_text or not c.finished else {}
         else:
             choice["text"] = c.delta_text
+            if req.echo and first:  # the first chunk of a choice carries the prompt (everything before it was empty)
+                choice["text"], choice["logprobs"] = echo_choice(self.tokenizer, out, c, req.logprobs,
+                                                                    req.max_tokens == 0)
+        if req.prompt_logprobs is not None and first:  # vLLM's extension, with the choice's first chunk
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tokenizer, out.prompt_logprobs)
+        if req.max_tokens == 0:
+            choice["finish_reason"] = "length"
         if c.finished:
-            choice["stop_reason"] = c.stop_reason
+            choice["stop_reason"] = None if req.max_tokens == 0 else c.stop_reason
         return choice
 
     def _logprobs(self, req: GenerationRequest, token_ids: list[int],
@@ -181,8 +201,13 @@ class OpenAIServing:
 
 
 def _sampling_params(req: GenerationRequest) -> SamplingParams:
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:  # echoed logprobs cover the prompt: score it with the same top-N
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+    max_tokens = 1 if req.max_tokens == 0 else req.max_tokens  # 0 (echo): the one sampled token is dropped
     try:
-        return SamplingParams(n=req.n, max_tokens=req.max_tokens, logprobs=req.logprobs, **req.sampling)
+        return SamplingParams(n=req.n, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                              **req.sampling)
     except (ValueError, TypeError) as exc:
         raise APIError(str(exc), param=_param_of(str(exc), None)) from exc
 
@@ -213,9 +238,10 @@ def _unavailable(exc: EngineDeadError) -> APIError:
     return APIError(str(exc), status=503, type="server_error", code="engine_unavailable")
 
 
-def _usage(subs: list[SubRequest], finals: dict[int, RequestOutput]) -> dict:
+def _usage(subs: list[SubRequest], finals: dict[int, RequestOutput], scored_only: bool = False) -> dict:
+    """`scored_only`: max_tokens 0 with echo, whose one sampled token is dropped from the response."""
     prompt = sum(len(s.prompt_token_ids) for s in subs)
     cached = sum(out.num_cached_tokens for out in finals.values())
-    completion = sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
+    completion = 0 if scored_only else sum(len(c.token_ids) for out in finals.values() for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}

@@ -24,6 +24,8 @@ V falls back to per-token scales when "channel" is asked for (see QuantizedKVCac
 """
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from kvforge.kv.quant_kernel import quantize_rows
@@ -37,6 +39,10 @@ from kvforge.kv.quant import (
     quantize,
 )
 from kvforge.kv.storage.layer_cache import gather_blocks
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 class DenseStore:
@@ -102,11 +108,20 @@ class QuantStore:
             self._write_channel(slots, x)
             return
         flat = self.data.view(-1, *self.data.shape[2:])
+        if self.granularity == "tensor" and self.static_scale is None:
+            self.static_scale = absmax_scales(x, "tensor", self.fmt)
+        if x.is_cuda and _triton_installed():  # one Triton pass, scales read and written on the device
+            from kvforge.kv.storage.triton_codec import quantize_rows_triton
+
+            scales = None if self.scale is None else self.scale.view(-1, *self.scale.shape[2:])
+            quantize_rows_triton(x, slots, flat, scales, self.fmt.name, self.fmt.qmax, self.granularity,
+                                 self.static_scale)
+            return
         if self.granularity == "tensor":
-            if self.static_scale is None:
-                self.static_scale = absmax_scales(x, "tensor", self.fmt)
-            if not quantize_rows(x, slots, flat, None, self.fmt.name, "tensor", float(self.static_scale)):
-                flat.index_copy_(0, slots, quantize(x, self.static_scale, self.fmt))
+            static = self.static_scale
+            assert static is not None
+            if not quantize_rows(x, slots, flat, None, self.fmt.name, "tensor", float(static)):
+                flat.index_copy_(0, slots, quantize(x, static, self.fmt))
             return
         scales_flat = self.block_scales.view(-1, *self.block_scales.shape[2:])
         if quantize_rows(x, slots, flat, scales_flat, self.fmt.name, self.granularity):  # one C pass, same bits
@@ -123,13 +138,25 @@ class QuantStore:
         need = channel_absmax(x, inv, uniq.numel()).clamp_min(ABSMAX_FLOOR) / self.fmt.qmax
         new = torch.maximum(old, need)
         grown = ((new > old) & (old > 0)).flatten(1).any(dim=1)  # blocks holding codes that must be rescaled
-        if bool(grown.any()):
-            ids = uniq[grown]
-            values = dequantize(self.data[ids], old[grown][:, None], self.fmt, torch.float32)
-            self.data[ids] = quantize(values, new[grown][:, None], self.fmt)
+        self._rescale(uniq, old, new, grown, sync_free=self.data.is_cuda)
         self.block_scales[uniq] = new
         codes = quantize(x, new[inv], self.fmt)
         self.data.view(-1, *self.data.shape[2:]).index_copy_(0, slots, codes)
+
+    def _rescale(self, uniq: torch.Tensor, old: torch.Tensor, new: torch.Tensor, grown: torch.Tensor,
+                 sync_free: bool) -> None:
+        """Requantize the codes of the `grown` blocks among `uniq` from their old scales to the new ones.
+
+        On a GPU (`sync_free`) every touched block is recomputed and the grown ones kept, so no host reads
+        `grown`; elsewhere only the grown blocks are touched, and none when no scale grew."""
+        if sync_free:
+            values = dequantize(self.data[uniq], old[:, None], self.fmt, torch.float32)
+            requantized = quantize(values, new[:, None], self.fmt)
+            self.data[uniq] = torch.where(grown[:, None, None, None], requantized, self.data[uniq])
+        elif bool(grown.any()):
+            ids = uniq[grown]
+            values = dequantize(self.data[ids], old[grown][:, None], self.fmt, torch.float32)
+            self.data[ids] = quantize(values, new[grown][:, None], self.fmt)
 
     # ---- read ------------------------------------------------------------------------------------
     def gather(self, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
