@@ -26,6 +26,9 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_
 KV_CACHE_DTYPES = KV_FORMAT_DTYPES + tuple(KV_DTYPE_ALIASES)
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # canonical names ("fp8" is an alias of fp8_e4m3)
 KV_CACHE_SCALES = KV_SCALE_GRANULARITIES
+# weight-only quantization of the linear layers at load (kvforge/models/weight_quant.py); int4 group sizes along K
+WEIGHT_QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
 KV_ALLOCATIONS = ("paged", "contiguous")  # contiguous: reserve max_model_len slots per sequence (kv/contiguous.py)
 
 

@@ -1,0 +1,84 @@
+"""Quantize a built model's linear layers at load (`quantization="int8" | "int4"`), tied embeddings included.
+
+Why here and not in the loader: the model decides which weights are linear
+layers (`Linear`), which must stay dense (`keep_dense`: MLA's absorbed
+projection), and which are shared. A tied lm_head shares its matrix with the
+embedding table; both then read one set of codes: the lm_head through the
+kernel, the embedding lookup (`QuantEmbedding`) by dequantizing the rows of
+the tokens it is asked for. So the dense table is released too and a tied
+model keeps no float copy of its largest matrix.
+
+Each layer is quantized and its dense weight released before the next one
+is touched, so the peak is the model's float weights plus one layer's codes.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvforge.models.linear import Linear
+from kvforge.models.quant_linear import QuantWeight, dequantize, quantize
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table read from a tied lm_head's codes: each looked-up row is dequantized on its own."""
+
+    def __init__(self, qw: QuantWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.quant_weight, self.dtype = qw, dtype
+        self.num_embeddings, self.embedding_dim = qw.n, qw.k
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.quant_weight, input_ids.reshape(-1).cpu())
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim).to(input_ids.device)
+
+
+def attach(layer: Linear, qw: QuantWeight) -> None:
+    """Make `layer` run on `qw` and release its dense weight. The codes and scales become buffers, so the
+    state dict (and the KV tiers' model fingerprint taken from it) tells quantized weights apart."""
+    layer.quant_weight = qw
+    layer.register_buffer("quant_codes", qw.codes)
+    layer.register_buffer("quant_scales", qw.scales)
+    if qw.offsets is not None:
+        layer.register_buffer("quant_offsets", qw.offsets)
+    layer.packed_nbytes = qw.nbytes
+    layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+
+def quantize_model(model: nn.Module, method: str, group: int | None = None,
+                   device: torch.device | None = None) -> int:
+    """Quantize every CPU `Linear` of `model` (not `keep_dense` ones) to `method`; returns how many.
+
+    Call after the model has its final dtype, before `pack_linear_weights` (which then leaves these
+    layers alone). The kernels are CPU kernels: another `device` is refused."""
+    if device is not None and device.type != "cpu":
+        raise ValueError(f"quantization={method!r} runs on CPU kernels; the model is on {device} (use device='cpu')")
+    embeddings = {id(m.weight): (parent, name, m) for parent in model.modules()
+                  for name, m in parent.named_children() if isinstance(m, nn.Embedding)}
+    done = 0
+    for module in list(model.modules()):
+        if not isinstance(module, Linear) or module.keep_dense or module.weight.device.type != "cpu":
+            continue
+        w = module.weight
+        qw = quantize(w.detach(), method, group)
+        tied = embeddings.get(id(w))
+        attach(module, qw)
+        if tied is not None:  # the embedding table is this matrix: look rows up in the codes instead
+            parent, name, emb = tied
+            setattr(parent, name, QuantEmbedding(qw, emb.weight.dtype))
+        done += 1
+    return done
+
+
+def describe(model: nn.Module) -> str | None:
+    """The weights line's note: which formats the linear layers hold, e.g. "int8 per channel: 211 layers"."""
+    formats: dict[str, int] = {}
+    for m in model.modules():
+        qw = getattr(m, "quant_weight", None)
+        if isinstance(m, Linear) and qw is not None:
+            formats[qw.describe] = formats.get(qw.describe, 0) + 1
+    if not formats:
+        return None
+    tied = any(isinstance(m, QuantEmbedding) for m in model.modules())
+    text = ", ".join(f"{fmt} x{count} linear layers" for fmt, count in sorted(formats.items()))
+    return text + (", the tied embedding read from the lm_head's codes" if tied else "")
