@@ -8,11 +8,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from kvforge.models import quant_linear
+from kvforge.models import gguf_quant, quant_linear
 from kvforge.models.linear import Linear
 from kvforge.models.quant_linear import dequantize, pack_codes, quant_linear as qlinear, quantize
 from kvforge.models.weight_quant import QuantEmbedding
@@ -174,3 +175,40 @@ def test_quantization_option_errors():
         EngineArgs(quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="device must be cpu"):
         EngineArgs(quantization="int8", device="cuda")
+
+
+def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
+    """Random block bytes with finite fp16 scales where each format keeps them."""
+    elems, nbytes = gguf_quant.BLOCK[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
+    half = lambda: rng.uniform(0.001, 0.05, size=(len(b), 1)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if qtype in (gguf_quant.Q8_0, gguf_quant.Q4_0):
+        b[:, :2] = half()
+    elif qtype == gguf_quant.Q4_K:
+        b[:, 0:2], b[:, 2:4] = half(), half()
+    else:  # Q6_K: fp16 d last
+        b[:, 208:210] = half()
+    return b
+
+
+@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q4_0, gguf_quant.Q4_K, gguf_quant.Q6_K],
+                         ids=["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
+    """Each block format converted to kernel codes (no float copy) dequantizes to what the `gguf` package
+    gives (Q8_0, Q4_0, Q6_K bit for bit; Q4_K within one fp32 rounding: the kernel's FMA rounds
+    q x scale - min once, the package twice), and the kernel multiplies those weights."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    n, k = 24, 512
+    raw = _random_blocks(qtype, n, k, seed=qtype)
+    want = torch.from_numpy(np.asarray(gguf_dequantize(raw.reshape(-1), qtype), dtype=np.float32).reshape(n, k))
+    codes, scales, offsets, bits, group = gguf_quant.gguf_codes(raw, qtype, n, k)
+    qw = pack_codes(codes, scales, offsets, bits, group)
+    got = dequantize(qw)
+    if qtype == gguf_quant.Q4_K:
+        torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-7)
+    else:
+        assert torch.equal(got, want)
+    check(qw, 3, torch.float32)
+    check(qw, 40, torch.float32)
