@@ -58,6 +58,7 @@ INLINE void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
 INLINE v16 v_fma_s(float a, v16 b, v16 c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
 INLINE v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 INLINE v16 v_from_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
@@ -84,6 +85,7 @@ INLINE v16 v_fma_s(float a, v16 b, v16 c) {
 }
 INLINE v16 v_fma(v16 a, v16 b, v16 c) { return (v16){_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
 INLINE v16 v_mul(v16 a, v16 b) { return (v16){_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
+INLINE v16 v_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)}; }
 INLINE v16 v_from_i8(const int8_t *p) {
     return (v16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
@@ -107,6 +109,7 @@ INLINE void v_store(float *p, v16 v) { memcpy(p, v.f, sizeof v.f); }
 INLINE v16 v_fma_s(float a, v16 b, v16 c) { for (int j = 0; j < NR; j++) c.f[j] += a * b.f[j]; return c; }
 INLINE v16 v_fma(v16 a, v16 b, v16 c) { for (int j = 0; j < NR; j++) c.f[j] += a.f[j] * b.f[j]; return c; }
 INLINE v16 v_mul(v16 a, v16 b) { for (int j = 0; j < NR; j++) a.f[j] *= b.f[j]; return a; }
+INLINE v16 v_add(v16 a, v16 b) { for (int j = 0; j < NR; j++) a.f[j] += b.f[j]; return a; }
 INLINE v16 v_from_i8(const int8_t *p) { v16 v; for (int j = 0; j < NR; j++) v.f[j] = (float)p[j]; return v; }
 INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
     for (int j = 0; j < NR; j++) lo->f[j] = (float)(p[j] & 15), hi->f[j] = (float)(p[j] >> 4);
@@ -115,10 +118,10 @@ INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
 #define GP 1
 #endif
 
-#define DR 4 /* decode tile: up to 4 rows x up to 4 panels */
+#define DR 4 /* decode tile: up to 4 rows x up to 4 panels (2 panels from 3 rows) */
 #define DP 4
 #ifndef DECODE_ROWS
-#define DECODE_ROWS 4
+#define DECODE_ROWS 8
 #endif
 
 static inline float bf16_to_f32(uint16_t v) {
@@ -160,27 +163,28 @@ INLINE void write_rows(const float *tile, int mr, int np, void *y, int y_bf16, i
     }
 }
 
-/* Decode rows: `mr` rows of xf (fp32, row stride Kp) against panels p..p+np-1, codes widened in registers. */
+/* Decode rows: `mr` rows of xf (fp32, row stride Kp) against panels p..p+np-1, codes widened in registers.
+ * Per group, each (row, panel) sums x x code (int4: the nibble, even and odd k in two accumulators, which
+ * doubles the independent FMA chains), then adds scale x that sum (+ offset x the group's sum of x,
+ * `xsum`, for int4): sum_k x_k (u_k s + o) = s sum_k x_k u_k + o sum_k x_k. One multiply per group and
+ * column instead of one per weight; the same weights as code x scale (+ offset), summed in another order. */
 INLINE void decode_tile(const float *xf, int64_t ldx, const qweight *w, int64_t p, int mr, int np, const int bits,
-                        float *tile) {
-    v16 acc[DR][DP];
+                        const float *xsum, int64_t ngroups, float *tile) {
+    v16 tot[DR][DP];
     for (int r = 0; r < DR; r++)
-        for (int q = 0; q < DP; q++) acc[r][q] = v_zero();
+        for (int q = 0; q < DP; q++) tot[r][q] = v_zero();
     const int64_t K = w->K, G = w->group;
     const uint8_t *base = w->codes + p * w->pstride;
     for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) {
         const int64_t k1 = k0 + G < K ? k0 + G : K;
-        v16 s[DP], o[DP];
-#pragma GCC unroll 4
-        for (int q = 0; q < np; q++) {
-            s[q] = v_load(w->scales + g * w->Np + (p + q) * NR);
-            o[q] = bits == 4 ? v_load(w->offsets + g * w->Np + (p + q) * NR) : v_zero();
-        }
+        v16 acc[DR][DP], odd[DR][DP];
+        for (int r = 0; r < DR; r++)
+            for (int q = 0; q < DP; q++) acc[r][q] = odd[r][q] = v_zero();
         if (bits == 8) {
             for (int64_t k = k0; k < k1; k++) {
 #pragma GCC unroll 4
                 for (int q = 0; q < np; q++) {
-                    const v16 wv = v_mul(v_from_i8((const int8_t *)base + q * w->pstride + k * NR), s[q]);
+                    const v16 wv = v_from_i8((const int8_t *)base + q * w->pstride + k * NR);
 #pragma GCC unroll 4
                     for (int r = 0; r < mr; r++) acc[r][q] = v_fma_s(xf[r * ldx + k], wv, acc[r][q]);
                 }
@@ -191,33 +195,49 @@ INLINE void decode_tile(const float *xf, int64_t ldx, const qweight *w, int64_t 
                 for (int q = 0; q < np; q++) {
                     v16 lo, hi;
                     v_from_u4(base + q * w->pstride + (k / 2) * NR, &lo, &hi);
-                    lo = v_fma(lo, s[q], o[q]);
-                    hi = v_fma(hi, s[q], o[q]);
 #pragma GCC unroll 4
                     for (int r = 0; r < mr; r++) {
                         acc[r][q] = v_fma_s(xf[r * ldx + k], lo, acc[r][q]);
-                        acc[r][q] = v_fma_s(xf[r * ldx + k + 1], hi, acc[r][q]);
+                        odd[r][q] = v_fma_s(xf[r * ldx + k + 1], hi, odd[r][q]);
                     }
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < np; q++) {
+            const v16 sc = v_load(w->scales + g * w->Np + (p + q) * NR);
+            if (bits == 8) {
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) tot[r][q] = v_fma(acc[r][q], sc, tot[r][q]);
+            } else {
+                const v16 of = v_load(w->offsets + g * w->Np + (p + q) * NR);
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) {
+                    tot[r][q] = v_fma(v_add(acc[r][q], odd[r][q]), sc, tot[r][q]);
+                    tot[r][q] = v_fma_s(xsum[r * ngroups + g], of, tot[r][q]);
                 }
             }
         }
     }
     for (int r = 0; r < mr; r++)
-        for (int q = 0; q < np; q++) v_store(tile + (r * np + q) * NR, acc[r][q]);
+        for (int q = 0; q < np; q++) v_store(tile + (r * np + q) * NR, tot[r][q]);
 }
 
-static void decode_block(const float *xf, int64_t ldx, const qweight *w, int64_t p, int mr, int np, float *tile) {
+/* One specialised copy per (rows, panels, bits): up to 2 rows x 4 panels or 4 rows x 2 panels, so the
+ * totals and both accumulator sets stay in registers. */
+static void decode_block(const float *xf, int64_t ldx, const qweight *w, int64_t p, int mr, int np,
+                         const float *xsum, int64_t ngroups, float *tile) {
 #define KVF_DCASE(R, P)                                                                                \
     case (R) * 8 + (P):                                                                                \
-        if (w->bits == 8) decode_tile(xf, ldx, w, p, R, P, 8, tile);                                   \
-        else decode_tile(xf, ldx, w, p, R, P, 4, tile);                                                \
+        if (w->bits == 8) decode_tile(xf, ldx, w, p, R, P, 8, xsum, ngroups, tile);                    \
+        else decode_tile(xf, ldx, w, p, R, P, 4, xsum, ngroups, tile);                                 \
         break;
-#define KVF_DROW(R) KVF_DCASE(R, 1) KVF_DCASE(R, 2) KVF_DCASE(R, 3) KVF_DCASE(R, 4)
     switch (mr * 8 + np) {
-        KVF_DROW(1) KVF_DROW(2) KVF_DROW(3) KVF_DROW(4)
+        KVF_DCASE(1, 1) KVF_DCASE(1, 2) KVF_DCASE(1, 3) KVF_DCASE(1, 4)
+        KVF_DCASE(2, 1) KVF_DCASE(2, 2) KVF_DCASE(2, 3) KVF_DCASE(2, 4)
+        KVF_DCASE(3, 1) KVF_DCASE(3, 2) KVF_DCASE(4, 1) KVF_DCASE(4, 2)
     default: break;
     }
-#undef KVF_DROW
 #undef KVF_DCASE
 }
 
@@ -307,6 +327,22 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
         }
         xf = xpad;
     }
+    /* int4 decode rows: each row's sum of x per group (the offsets' term) */
+    const int64_t ngroups = (K + group - 1) / group;
+    float *xsum = NULL;
+    if (bits == 4 && M <= DECODE_ROWS) {
+        xsum = (float *)malloc((size_t)(M * ngroups) * sizeof(float));
+        if (!xsum) {
+            free(xpad);
+            return -1;
+        }
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t g = 0; g < ngroups; g++) {
+                float sum = 0.0f;
+                for (int64_t k = g * group; k < (g + 1) * group && k < K; k++) sum += xf[r * Kp + k];
+                xsum[r * ngroups + g] = sum;
+            }
+    }
     if (nthreads < 1) nthreads = 1;
     if (nthreads > P) nthreads = (int)P;
     const size_t ysz = x_bf16 ? 2 : 4;
@@ -321,11 +357,12 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
         const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
         float tile[TILE_FLOATS];
         if (M <= DECODE_ROWS) {
-            for (int64_t p = p0; p < p1; p += DP) {
-                const int np = (int)(p1 - p < DP ? p1 - p : DP);
-                for (int64_t i = 0; i < M; i += DR) {
-                    const int mr = (int)(M - i < DR ? M - i : DR);
-                    decode_block(xf + i * Kp, Kp, &w, p, mr, np, tile);
+            const int rows = (int)(M < DR ? M : DR), dp = rows <= 2 ? DP : 2;
+            for (int64_t p = p0; p < p1; p += dp) {
+                const int np = (int)(p1 - p < dp ? p1 - p : dp);
+                for (int64_t i = 0; i < M; i += rows) {
+                    const int mr = (int)(M - i < rows ? M - i : rows);
+                    decode_block(xf + i * Kp, Kp, &w, p, mr, np, xsum ? xsum + i * ngroups : NULL, ngroups, tile);
                     write_rows(tile, mr, np, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, p * NR, bias);
                 }
             }
@@ -349,6 +386,7 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
             }
         }
     }
+    free(xsum);
     free(xpad);
     return failed ? -1 : 0;
 }
