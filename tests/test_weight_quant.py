@@ -212,3 +212,23 @@ def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
         assert torch.equal(got, want)
     check(qw, 3, torch.float32)
     check(qw, 40, torch.float32)
+
+
+def test_eval_weights_reports_each_format_against_the_reference(tmp_path, capsys):
+    """`kvforge eval weights`: one row per format, the reference at +0.00%, int8 close to it and smaller."""
+    import json
+
+    from tiny_models import build_tiny_model
+
+    from kvforge.cli import main
+
+    build_tiny_model(str(tmp_path), "llama_d64")
+    assert main(["eval", "weights", "--model", str(tmp_path), "--dtype", "float32", "--formats", "none,int8",
+                 "--contexts", "48,96", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["format"] for r in rows] == ["none", "int8"]
+    assert rows[1]["weights_bytes"] < rows[0]["weights_bytes"] and rows[0]["kl"] == 0.0
+    for c in ("48", "96"):
+        assert abs(rows[1]["perplexity"][c] / rows[0]["perplexity"][c] - 1) < 0.05
+    assert 0 < rows[1]["kl"] < 0.05
+    assert main(["eval", "weights", "--model", str(tmp_path), "--formats", "none,int3"]) == 2
