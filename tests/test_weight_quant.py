@@ -174,6 +174,8 @@ def test_quantization_option_errors():
         EngineArgs(quantization="int4", quantization_group_size=48)
     with pytest.raises(ValueError, match="device must be cpu"):
         EngineArgs(quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="is not a .gguf"):
+        EngineArgs(quantization="gguf", model="/some/hf-folder")
 
 
 def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
@@ -184,6 +186,8 @@ def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     half = lambda: rng.uniform(0.001, 0.05, size=(len(b), 1)).astype(np.float16).view(np.uint8)  # noqa: E731
     if qtype in (gguf_quant.Q8_0, gguf_quant.Q4_0):
         b[:, :2] = half()
+    elif qtype == gguf_quant.Q4_1:
+        b[:, 0:2], b[:, 2:4] = half(), half()
     elif qtype == gguf_quant.Q4_K:
         b[:, 0:2], b[:, 2:4] = half(), half()
     else:  # Q6_K: fp16 d last
@@ -191,12 +195,12 @@ def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     return b
 
 
-@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q4_0, gguf_quant.Q4_K, gguf_quant.Q6_K],
-                         ids=["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q4_0, gguf_quant.Q4_1, gguf_quant.Q4_K,
+                                   gguf_quant.Q6_K], ids=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     """Each block format converted to kernel codes (no float copy) dequantizes to what the `gguf` package
-    gives (Q8_0, Q4_0, Q6_K bit for bit; Q4_K within one fp32 rounding: the kernel's FMA rounds
-    q x scale - min once, the package twice), and the kernel multiplies those weights."""
+    gives (Q8_0, Q4_0, Q6_K bit for bit; Q4_1 and Q4_K within one fp32 rounding: the kernel's FMA rounds
+    q x scale + min once, the package twice), and the kernel multiplies those weights."""
     from gguf.quants import dequantize as gguf_dequantize
 
     n, k = 24, 512
@@ -205,7 +209,7 @@ def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     codes, scales, offsets, bits, group = gguf_quant.gguf_codes(raw, qtype, n, k)
     qw = pack_codes(codes, scales, offsets, bits, group)
     got = dequantize(qw)
-    if qtype == gguf_quant.Q4_K:
+    if qtype in (gguf_quant.Q4_1, gguf_quant.Q4_K):
         torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-7)
     else:
         assert torch.equal(got, want)
@@ -231,3 +235,26 @@ def test_eval_weights_reports_each_format_against_the_reference(tmp_path, capsys
         assert abs(rows[1]["perplexity"][c] / rows[0]["perplexity"][c] - 1) < 0.05
     assert 0 < rows[1]["kl"] < 0.05
     assert main(["eval", "weights", "--model", str(tmp_path), "--formats", "none,int3"]) == 2
+
+
+@pytest.mark.slow
+def test_default_model_keeps_its_gguf_codes_and_tokens():
+    """quantization="gguf" on the default model (Q4_1 layers, a Q8_0 tied embedding): every linear layer runs
+    on the file's own codes, and greedy tokens equal the usual load's (the same blocks dequantized to fp32,
+    run by the panel kernels); logprobs within fp32 summation order (and Q4_1's one rounding)."""
+    from kvforge import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    kept = LLM(dtype="float32", quantization="gguf", enable_prefix_caching=False, num_kv_blocks=32, log_ledger=False)
+    model = kept.engine.model
+    layers = [m.quant_weight for m in model.modules() if isinstance(m, Linear) and m.quant_weight is not None]
+    assert len(layers) == 4 * 30 + 1 and {(q.bits, q.group) for q in layers} == {(4, 32), (8, 32)}
+    assert any(isinstance(m, QuantEmbedding) for m in model.modules())
+    got = kept.generate(prompts, params)
+    kept.close()
+    ref = LLM(dtype="float32", enable_prefix_caching=False, num_kv_blocks=32, log_ledger=False).generate(prompts, params)
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(la[t] - lb[t]) < 2e-4 for t in la if t in lb)

@@ -44,7 +44,8 @@ class ModelOptions:
         "sdpa = PyTorch fused kernels; torch = reference implementation", choices=ATTENTION_BACKENDS)
     quantization: str | None = option(
         None, "weight-only quantization of the linear layers at load (CPU): int8 = per output channel, "
-        "int4 = groups along K (--quantization-group-size); activations stay in --dtype", choices=WEIGHT_QUANTIZATIONS)
+        "int4 = groups along K (--quantization-group-size), gguf = a .gguf file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
+        "codes; activations stay in --dtype", choices=WEIGHT_QUANTIZATIONS)
     quantization_group_size: int = option(32, "int4: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
@@ -62,6 +63,8 @@ class ModelOptions:
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "
                              f"got {self.quantization_group_size!r}")
+        if self.quantization == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' keeps a .gguf file's codes; model {self.model!r} is not a .gguf")
         if self.quantization is not None and self.device not in (None, "cpu"):
             raise ValueError(f"quantization={self.quantization!r} runs on CPU kernels; device must be cpu, "
                              f"got {self.device!r}")

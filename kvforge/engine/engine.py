@@ -67,7 +67,8 @@ class LLMEngine:
         opts = config.model_config
         stages = ["reading weights", "building model", "packing linear layers"]
         if opts.quantization:
-            stages.insert(2, f"quantizing linear layers to {opts.quantization}")
+            stages.insert(2, "attaching the GGUF file's codes" if opts.quantization == "gguf"
+                          else f"quantizing linear layers to {opts.quantization}")
         with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
             checkpoint = load_checkpoint(opts.model)
             p.next()
@@ -90,11 +91,12 @@ class LLMEngine:
             else:
                 model = build_model(self.model_config)
                 model.load_weights(checkpoint.weights)
+                path = checkpoint.path
                 del checkpoint
                 self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
                 p.next()
                 if opts.quantization:  # int8 / int4 codes replace the linear weights (models/weight_quant.py)
-                    quantize_model(self.model, opts.quantization, opts.quantization_group_size, self.device)
+                    quantize_model(self.model, opts.quantization, opts.quantization_group_size, self.device, path)
                     p.next()
                 from kvforge.kv.tiers.setup import model_fingerprint
 

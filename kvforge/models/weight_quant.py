@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvforge.models.linear import Linear
-from kvforge.models.quant_linear import QuantWeight, dequantize, quantize
+from kvforge.models.quant_linear import QuantWeight, dequantize, pack_codes, quantize
 
 
 class QuantEmbedding(nn.Module):
@@ -46,13 +46,17 @@ def attach(layer: Linear, qw: QuantWeight) -> None:
 
 
 def quantize_model(model: nn.Module, method: str, group: int | None = None,
-                   device: torch.device | None = None) -> int:
+                   device: torch.device | None = None, path: str | None = None) -> int:
     """Quantize every CPU `Linear` of `model` (not `keep_dense` ones) to `method`; returns how many.
 
     Call after the model has its final dtype, before `pack_linear_weights` (which then leaves these
     layers alone). The kernels are CPU kernels: another `device` is refused."""
     if device is not None and device.type != "cpu":
         raise ValueError(f"quantization={method!r} runs on CPU kernels; the model is on {device} (use device='cpu')")
+    if method == "gguf":
+        if path is None or not path.endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' keeps a .gguf file's codes; the model was loaded from {path!r}")
+        return attach_gguf_codes(model, path)
     embeddings = {id(m.weight): (parent, name, m) for parent in model.modules()
                   for name, m in parent.named_children() if isinstance(m, nn.Embedding)}
     done = 0
@@ -69,6 +73,45 @@ def quantize_model(model: nn.Module, method: str, group: int | None = None,
         if tied is not None:  # the embedding table is this matrix: look rows up in the codes instead
             parent, name, emb = tied
             setattr(parent, name, QuantEmbedding(qw, emb.weight.dtype))
+        done += 1
+    return done
+
+
+def attach_gguf_codes(model: nn.Module, path: str) -> int:
+    """`quantization="gguf"`: every `Linear` whose GGUF tensors (all of a packed layer's parts) are of a kept
+    block type, with one bit width and group size, runs on the file's own codes (`gguf_quant`); a tied
+    embedding reads them too. Other layers (F16 / F32 or other block types, mixed parts) stay as loaded
+    (dequantized). Returns how many layers were attached."""
+    from kvforge.models.gguf_quant import file_codes
+    from kvforge.models.layers import PACKED_PARAMS
+
+    cfg = model.config
+    found = file_codes(path, cfg.num_heads, cfg.num_kv_heads)
+    embeddings = {id(m.weight): (parent, name, m) for parent in model.modules()
+                  for name, m in parent.named_children() if isinstance(m, nn.Embedding)}
+    done = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear) or module.keep_dense or module.weight.device.type != "cpu":
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        parts = [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in PACKED_PARAMS.get(leaf, (leaf,))]
+        tied = embeddings.get(id(module.weight))
+        if tied is not None and parts == ["lm_head.weight"] and "lm_head.weight" not in found:
+            parts = ["model.embed_tokens.weight"]
+        if not all(p in found for p in parts):
+            continue
+        pieces = [found[p]() for p in parts]
+        if len({(bits, group) for *_, bits, group in pieces}) != 1:
+            continue
+        codes = torch.cat([p[0] for p in pieces])
+        if tuple(codes.shape) != tuple(module.weight.shape):
+            continue
+        offsets = torch.cat([p[2] for p in pieces]) if pieces[0][2] is not None else None
+        qw = pack_codes(codes, torch.cat([p[1] for p in pieces]), offsets, pieces[0][3], pieces[0][4])
+        attach(module, qw)
+        if tied is not None:
+            parent, child, emb = tied
+            setattr(parent, child, QuantEmbedding(qw, emb.weight.dtype))
         done += 1
     return done
 
