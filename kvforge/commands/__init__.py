@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "learn paging": "kvforge.commands.learn_paging",
     "eval kv-evict": "kvforge.commands.eval_evict",
     "eval weights": "kvforge.commands.eval_weights",
+    "top": "kvforge.commands.top",
 }
 
 GROUPS: dict[str, str] = {
