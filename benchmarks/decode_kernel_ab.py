@@ -13,6 +13,12 @@ small sizes and times the kernel's in-cache speed instead. Times are per layer.
     git show HEAD~3:kvforge/attention/csrc/paged_decode.c > /tmp/old.c
     OMP_NUM_THREADS=1 python benchmarks/decode_kernel_ab.py --old-source /tmp/old.c --batch 32 --len 512
 
+Since the kernel is two units over `paged_common.h`, a revision from then on is given as its two units (the
+header is found beside them; the shared `kvforge/csrc/include` headers are this tree's):
+
+    mkdir -p /tmp/old && git archive REV kvforge/attention/csrc | tar -x -C /tmp/old
+    python benchmarks/decode_kernel_ab.py --old-source /tmp/old/kvforge/attention/csrc/paged_{decode,prefill}.c
+
 `--prefill` times the same file's prefill kernel instead, on a mixed step's prefill rows: four prompts'
 chunks (256, 200, 250 and 301 tokens after 0, 0, 37 and 100 cached ones) of that shape, dense KV
 (`--dtype`), `--layers` layers' caches per call, and prints the rate in useful GFLOP/s (causal pairs
@@ -35,7 +41,8 @@ from quantized_decode import FORMATS, build
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old-source", type=Path, required=True)
+    ap.add_argument("--old-source", type=Path, nargs="+", required=True,
+                    help="the old kernel: one file (before the decode/prefill split) or its units")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--len", type=int, default=512)
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
@@ -44,7 +51,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="caches walked per timed call (out of DRAM, as a step)")
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel on four prompts' chunks instead")
     args = ap.parse_args()
-    libs = {"old": NativeLibrary(args.old_source.resolve(), "KVFORGE_CPU_KERNEL", "the old decode kernel",
+    libs = {"old": NativeLibrary(tuple(p.resolve() for p in args.old_source), "KVFORGE_CPU_KERNEL", "the old decode kernel",
                                  cpu_kernel._declare), "new": cpu_kernel.LIBRARY}
     for name, lib in libs.items():
         assert lib.load() is not None, f"{name}: {lib.error}"

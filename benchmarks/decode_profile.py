@@ -129,17 +129,15 @@ def profile(dtype: str, tokens: int, bandwidth: float, model: str | None = None)
     plain_s, plain_n = decode_steps(llm, prompt, tokens)
     # The per-piece timers need the Python layers: the fused decode layers (models/decode_layers.py) run the
     # whole stack in one C call. Untimed, both are measured.
-    fused_default = os.environ.get("KVFORGE_FUSED_LAYERS")
-    os.environ["KVFORGE_FUSED_LAYERS"] = "0"
+    saved = dict(os.environ)
+    os.environ["KVFORGE_FUSED_LAYERS"] = "0"  # read through kvforge.envs at each step
     try:
         layers_s, layers_n = decode_steps(llm, prompt, tokens)
         with instrumented(llm):
             total, steps = decode_steps(llm, prompt, tokens)
     finally:
-        if fused_default is None:
-            os.environ.pop("KVFORGE_FUSED_LAYERS")
-        else:
-            os.environ["KVFORGE_FUSED_LAYERS"] = fused_default
+        os.environ.clear()
+        os.environ.update(saved)
     per = {k: v / steps * 1e3 for k, v in TIMES.items()}
     step_ms = total / steps * 1e3
     model_ms = per.get("model forward", 0.0)

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvforge import envs
 from kvforge.models.linear import ONEDNN_LINEAR, linear
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -240,7 +241,7 @@ def decode_step_linears(threads: list[int], dtype: torch.dtype = torch.float32, 
     head = pl.pack_panels(torch.randn(*SHAPES["lm_head"]).to(dtype))
     nbytes = sum(w.nbytes for ws in weights for w in ws) + head.nbytes
     params = sum(n * k for n, k in layer) * 30 + SHAPES["lm_head"][0] * SHAPES["lm_head"][1]
-    extra = os.environ.get("KVFORGE_EXTRA_CFLAGS", "")
+    extra = " ".join(envs.KVFORGE_EXTRA_CFLAGS)
     print(f"{dtype} panel kernel, one decode step's linears: 30 layers x (qkv, o_proj, gate_up, down) + lm_head, "
           f"{nbytes / 1e6:.0f} MB of weights; KVFORGE_EXTRA_CFLAGS={extra!r}")
     for t in threads:

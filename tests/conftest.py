@@ -14,6 +14,20 @@ os.environ.setdefault("KVFORGE_AUTO_BF16", "0")
 from tiny_models import build_tiny_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Kernel builds and Ray clusters count as slow: `pytest -m "not slow"` (the quick run) leaves them out."""
+    for item in items:
+        if item.get_closest_marker("build") or item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory):
+    """One kernel cache for the session's subprocess builds: tests built with the same
+    KVFORGE_EXTRA_CFLAGS (the cache key covers the flags) share one build instead of each compiling its own."""
+    return tmp_path_factory.mktemp("kernel-cache")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """Returns (path, transformers_model) for a family, building each family once per session."""
@@ -53,10 +67,11 @@ def bf16_fma_restored():
     """Tests that switch the bf16 prefill between VDPBF16PS and FMAs leave it as they found it."""
     from kvforge.attention import cpu_kernel
 
-    before, before_amx = cpu_kernel.bf16_fma(), cpu_kernel.bf16_amx()
+    before, before_amx, before_lanes = cpu_kernel.bf16_fma(), cpu_kernel.bf16_amx(), cpu_kernel.prefill_lanes()
     yield
     cpu_kernel.set_bf16_fma(before)
     cpu_kernel.set_bf16_amx(before_amx)
+    cpu_kernel.set_prefill_lanes(before_lanes)
 
 
 def set_bf16_prefill_path(path: str) -> None:

@@ -8,16 +8,17 @@ and derandomized, so the suite stays fast and repeatable.
 """
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from kvforge import envs
 from server_fixtures import start_server, tiny_model_dir, wait_idle_and_check_blocks
 
-EXAMPLES = int(os.environ.get("KVFORGE_FUZZ_EXAMPLES", "20"))
+pytestmark = pytest.mark.slow  # schemathesis over every operation
+
+EXAMPLES = envs.KVFORGE_FUZZ_EXAMPLES
 POSITIVE, NEGATIVE = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
 # (path, method, mode); a GET without parameters has no negative form
 CASES = [("/v1/completions", "POST", POSITIVE), ("/v1/completions", "POST", NEGATIVE),

@@ -22,6 +22,8 @@ import pytest
 
 from server_fixtures import parse_metrics, tiny_model_dir, wait_for_health
 
+pytestmark = pytest.mark.slow  # fault injection against a live server
+
 POISONS = [
     {"prompt": "abc", "seed": 1180591620717411303424, "temperature": 1.0},
     {"prompt": "abc", "n": 2, "seed": 18446744073709551615, "temperature": 1.0},

@@ -13,12 +13,8 @@ def _readme_command(index: int) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_ci_runs_the_readme_quick_start_in_a_fresh_venv():
-    ci = (ROOT / ".ci" / "run").read_text()
-    assert 'QUICKSTART=$(python .ci/readme_command.py "Quick start" 0)' in ci
-    assert 'python -m venv "$VENV"' in ci and "--system-site-packages" not in ci
-    assert 'bash -euo pipefail -c "$QUICKSTART"' in ci
-    assert "kvforge --help" in ci and "kvforge plan --model llama-3-8b" in ci
+def test_the_quick_start_ci_runs_is_a_core_install_then_one_generate():
+    """What `.ci/readme_command.py` hands CI's fresh venv: core dependencies only, so a missing one fails there."""
     quick = _readme_command(0)
     assert quick.startswith("pip install torch==2.13.0 -e . ") and "[" not in quick  # core install, no extras
     assert quick.endswith('kvforge generate "Once upon a time"')

@@ -201,7 +201,7 @@ def test_engine_config_routes_flat_options_and_rejects_unknown_ones():
     from kvforge.engine.args import EngineArgs, EngineConfig
 
     cfg = EngineArgs(model="m", dtype="bfloat16", block_size=32, max_num_seqs=4, seed=3)
-    assert (cfg.model_config.model, cfg.model_config.dtype, cfg.model_config.seed) == ("m", "bfloat16", 3)
+    assert (cfg.model_options.model, cfg.model_options.dtype, cfg.model_options.seed) == ("m", "bfloat16", 3)
     assert (cfg.cache_config.block_size, cfg.scheduler_config.max_num_seqs) == (32, 4)
     assert cfg.replace(kv_cache_dtype="int8").cache_config.kv_cache_dtype == "int8"
     assert cfg.to_dict()["block_size"] == 32 and EngineConfig.create(**cfg.to_dict()) == cfg

@@ -118,7 +118,8 @@ def test_kernel_rejects_indices_outside_the_pool():
         cpu_kernel.paged_decode(q, cache.k, cache.v, meta.decode_block_tables, too_long, 0.25)
 
 
-def test_without_the_kernel_auto_falls_back_and_cpu_is_refused(tmp_path):
+@pytest.mark.build
+def test_without_the_kernel_auto_falls_back_and_cpu_is_refused(kernel_cache):
     code = (
         "from kvforge.attention import cpu_kernel, check_backend, describe_backend\n"
         "assert not cpu_kernel.available(), 'kernel should be disabled'\n"
@@ -126,7 +127,7 @@ def test_without_the_kernel_auto_falls_back_and_cpu_is_refused(tmp_path):
         "print(describe_backend('auto', 'cpu'))\n"
         "try:\n    check_backend('cpu')\nexcept ValueError as e:\n    print(e)\n"
     )
-    env = dict(os.environ, KVFORGE_CPU_KERNEL="0", KVFORGE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, KVFORGE_CPU_KERNEL="0", KVFORGE_CACHE_DIR=str(kernel_cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "attention_backend 'cpu' is unavailable" in out and "KVFORGE_CPU_KERNEL=0" in out
     assert "sdpa (CPU decode kernel unavailable: disabled by KVFORGE_CPU_KERNEL=0)" in out
@@ -153,6 +154,7 @@ def test_startup_report_names_the_attention_and_linear_paths(tiny_model_factory)
         assert "bf16 GEMM rows on AMX tiles" in text and "bf16 prefill on AMX tiles" in text
 
 
+@pytest.mark.build
 def test_kernel_builds_into_a_fresh_cache_dir(tmp_path):
     code = "from kvforge.attention import cpu_kernel\nprint(cpu_kernel.available(), cpu_kernel.unavailable_reason())\n"
     env = dict(os.environ, KVFORGE_CACHE_DIR=str(tmp_path))
@@ -228,7 +230,8 @@ def test_prefill_kernel_reach_and_index_checks():
 
 @pytest.mark.parametrize("flags,prefill_kernel", [("-mno-avx512f", False), ("-mno-avx512bf16", True)],
                          ids=["no-avx512", "avx512-without-bf16"])
-def test_kernels_for_other_cpus_build_and_match_the_reference(tmp_path, flags, prefill_kernel):
+@pytest.mark.build
+def test_kernels_for_other_cpus_build_and_match_the_reference(kernel_cache, flags, prefill_kernel):
     """CPUs without AVX-512 get the portable decode loops and SDPA prefill; AVX-512 CPUs without its
     bf16 instructions (Ice Lake) widen bf16 rows instead. Built here with those flags, both must
     compile, load and agree with the reference."""
@@ -256,6 +259,6 @@ def test_kernels_for_other_cpus_build_and_match_the_reference(tmp_path, flags, p
         "assert torch.equal(fused.argmax_rows(x), x.argmax(-1))\n"
         "print('ok')\n"
     ) % (os.path.dirname(__file__), prefill_kernel and HAS_AVX512, prefill_kernel and HAS_AVX512)
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(kernel_cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

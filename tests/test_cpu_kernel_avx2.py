@@ -71,7 +71,8 @@ def test_bf16_compute_rounds_dequantized_rows(group):
     _check(q, cache, meta)
 
 
-def test_portable_build_without_avx2_matches_the_reference_and_this_build(tmp_path):
+@pytest.mark.build
+def test_portable_build_without_avx2_matches_the_reference_and_this_build(tmp_path, kernel_cache):
     """The scalar/auto-vectorised loops (CPUs without AVX2, and shapes outside the vector paths), built
     with `-mno-avx512f -mno-avx2 -mno-fma`: dense and compressed caches against the reference, and an
     int8 K / fp8 V cache with fp32 compute against this CPU's build (the same products summed and
@@ -101,7 +102,8 @@ def test_portable_build_without_avx2_matches_the_reference_and_this_build(tmp_pa
         "        _check(q, cache, meta)\n"
         "print('ok')\n"
     ) % (os.path.dirname(__file__), split, str(tmp_path / "out.pt"))
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS="-mno-avx512f -mno-avx2 -mno-fma", KVFORGE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS="-mno-avx512f -mno-avx2 -mno-fma",
+               KVFORGE_CACHE_DIR=str(kernel_cache))
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
     torch.testing.assert_close(here, torch.load(tmp_path / "out.pt"), atol=1e-6, rtol=1e-5)

@@ -194,8 +194,9 @@ def test_quantized_engine_greedy_is_unchanged_by_the_kernel(tiny_model_factory):
         assert outs["cpu"] == outs["torch"], kwargs
 
 
+@pytest.mark.build
 @pytest.mark.skipif(not HAS_AVX512, reason="this CPU's own build is already the portable (no AVX-512) one")
-def test_quantized_kernel_without_avx512_builds_and_matches(tmp_path):
+def test_quantized_kernel_without_avx512_builds_and_matches(kernel_cache):
     """The portable loops (what CPUs without AVX-512 run, and every compressed operand everywhere),
     built with -mno-avx512f, against the reference."""
     code = (
@@ -210,19 +211,20 @@ def test_quantized_kernel_without_avx512_builds_and_matches(tmp_path):
         "        _check(q, cache, meta)\n"
         "print('ok')\n"
     ) % os.path.dirname(__file__)
-    _run_built_with("-mno-avx512f", tmp_path, code)
+    _run_built_with("-mno-avx512f", kernel_cache, code)
 
 
-def _run_built_with(flags: str, tmp_path, code: str) -> None:
+def _run_built_with(flags: str, cache, code: str) -> None:
     """Run `code` in a fresh process whose kernels are built with KVFORGE_EXTRA_CFLAGS=flags; it prints 'ok'."""
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+@pytest.mark.build
 @pytest.mark.skipif(not HAS_AVX512, reason="needs an AVX-512 CPU to build the AVX-512 8-bit paths")
 @pytest.mark.parametrize("flags", ["-mno-avx512vnni -mno-avx512vbmi", "-mno-avx512bf16"])
-def test_8bit_paths_under_bf16_without_vnni_or_bf16_instructions(tmp_path, flags):
+def test_8bit_paths_under_bf16_without_vnni_or_bf16_instructions(kernel_cache, flags):
     """Under bf16 compute, int8 K and V take VPDPWSSD (int16 queries and probabilities, exact int32 sums),
     fp8 K and V take VDPBF16PS on codes looked up as bf16 by VPERMI2B (AVX512-VBMI). Built without VNNI
     and VBMI, int8 K and every 8-bit V widen codes through fp32 to bf16 for VDPBF16PS instead, and without
@@ -238,4 +240,4 @@ def test_8bit_paths_under_bf16_without_vnni_or_bf16_instructions(tmp_path, flags
         "    _check(q, cache, meta)\n"
         "print('ok')\n"
     ) % os.path.dirname(__file__)
-    _run_built_with(flags, tmp_path, code)
+    _run_built_with(flags, kernel_cache, code)

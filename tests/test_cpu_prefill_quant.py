@@ -123,11 +123,11 @@ def test_quantized_engine_prefill_uses_the_kernel(monkeypatch):
 def test_both_layouts_groups_windows_and_softcap(monkeypatch, bf16_fma_restored, compute, lanes, k_dtype, v_dtype,
                                                  gran, heads, kv_heads, bs):
     """fp32 and bf16 compute, both loops: query vectors in lanes (the default: 16 vectors share each
-    register, per-lane masks, vector softmax) and keys in lanes (KVFORGE_PREFILL_LANES=0). Chunks of 1-70
+    register, per-lane masks, vector softmax) and keys in lanes (`cpu_kernel.set_prefill_lanes(False)`). Chunks of 1-70
     tokens make partial lane groups and partial key blocks; windows cut blocks on both sides. bf16 on the
     lanes layout runs on VDPBF16PS, on CPUs whose fp32 FMAs outrun it on FMAs ("fma"), and on Xeons with
     AMX on its tiles ("amx")."""
-    monkeypatch.setenv("KVFORGE_PREFILL_LANES", "0" if lanes == "0" else "1")
+    cpu_kernel.set_prefill_lanes(lanes != "0")
     set_bf16_prefill_path(lanes if lanes in ("fma", "amx") else "dot")
     q, cache, chunks = _quantized_prefill(k_dtype, v_dtype, gran, compute, heads, kv_heads, bs,
                                           [(0, 40), (19, 9), (0, 1), (70, 33), (5, 70)], seed=2)

@@ -48,14 +48,14 @@ def test_engine_auto_picks_bf16_with_native_bf16_and_says_why(tiny_model_factory
     path, _ = tiny_model_factory("llama_gqa")
     monkeypatch.setattr(dtype_choice, "cpu_bf16_flag", lambda: "amx_bf16")
     llm = LLM(model=path, num_kv_blocks=16, log_ledger=False)  # dtype defaults to auto
-    assert llm.engine.config.model_config.dtype == "bfloat16"
+    assert llm.engine.config.model_options.dtype == "bfloat16"
     assert next(llm.engine.model.parameters()).dtype == torch.bfloat16
     assert "dtype" in llm.engine.report.render() and "bfloat16 (auto: this CPU has native bf16 (amx_bf16))" in \
         llm.engine.report.render()
     monkeypatch.setattr(dtype_choice, "cpu_bf16_flag", lambda: None)
     monkeypatch.delenv(dtype_choice.SWITCH, raising=False)
     llm = LLM(model=path, num_kv_blocks=16, log_ledger=False)
-    assert llm.engine.config.model_config.dtype == "float32" and next(llm.engine.model.parameters()).dtype == torch.float32
+    assert llm.engine.config.model_options.dtype == "float32" and next(llm.engine.model.parameters()).dtype == torch.float32
     assert "float32 (auto: this CPU has no native bf16" in llm.engine.report.render()
 
 

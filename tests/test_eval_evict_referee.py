@@ -16,6 +16,8 @@ from kvforge.evaluation.kv_evict import PASSKEY_QUESTION
 from kvforge.evaluation.kv_evict_referee import PRESSES, RUNNER, build_job, run_referee
 from tiny_models import hf_greedy
 
+pytestmark = pytest.mark.slow  # the eviction referee's runs
+
 SMALL = ["--ppl-tokens", "96", "--stream-chunk", "16", "--num-prompts", "1", "--prompt-tokens", "96",
          "--gen-tokens", "4", "--passkey-prompts", "2", "--passkey-tokens", "256", "--budgets", "48,50%"]
 

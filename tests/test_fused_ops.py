@@ -95,12 +95,12 @@ def test_layers_use_torch_where_the_fused_ops_do_not_apply():
     torch.testing.assert_close(apply_rotary(xr, cos, sin), torch_rotary(xr, cos, sin))
 
 
-def test_env_switch_turns_the_fused_ops_off(tmp_path):
+def test_env_switch_turns_the_fused_ops_off(kernel_cache):
     code = (
         "import torch\nfrom kvforge.models import fused\n"
         "print(fused.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6, 0.0), fused.LIBRARY.error)"
     )
-    env = dict(os.environ, KVFORGE_FUSED_OPS="0", KVFORGE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, KVFORGE_FUSED_OPS="0", KVFORGE_CACHE_DIR=str(kernel_cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "None disabled by KVFORGE_FUSED_OPS=0"
 

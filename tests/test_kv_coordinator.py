@@ -3,7 +3,7 @@ and a hybrid local/global model (a full group and a windowed group), in pure Pyt
 
 Also the contract pieces the next KV features build on: block ids and copies per group in
 `SchedulerOutput` (the runner never asks the coordinator), the request-owned hash chain, the
-reserved null block, `drop_blocks` (lossy eviction) and the pool's evict hook (KV tiers).
+reserved null block, `evict_blocks` (KV eviction) and the pool's evict hook (KV tiers).
 """
 from __future__ import annotations
 
@@ -115,16 +115,22 @@ def test_block_ids_and_copies_travel_in_the_scheduler_output(case):
     assert [c.block_ids[0] for c in out.chunks] == [[0, 1, 3], [0, 1, 2]]
 
 
-def test_drop_blocks_frees_the_middle_of_a_table_to_the_pool(case):
-    """Lossy eviction's entry point: the dropped slots hold the null block, their blocks go back to the pool."""
-    kv, _ = case
-    a = _req("a", list(range(20)))
+def test_evict_blocks_frees_the_middle_of_a_table_and_closes_it_up():
+    """KV eviction's entry point: the blocks not kept go back to the pool and the table closes up (no null
+    block in it); the caller shifts the request's cache coordinates by the evicted tokens."""
+    kv = KVCacheCoordinator(GROUPS["single"], BS)
+    a = _req("a", list(range(21)))  # 5 full blocks and a 1-token tail
     prefill_then_decode(kv, a, 0)
     free = kv.pools[0].num_free_blocks
-    assert kv.drop_blocks("a", 0, [1, 2]) == 2
-    assert kv.block_ids("a")[0] == [0, NULL, NULL, 3, 4]
-    assert kv.pools[0].num_free_blocks == free + 2 and kv.num_held_blocks("a")[0] == 3
-    assert kv.drop_blocks("a", 0, [2]) == 0  # already dropped
+    assert kv.evict_blocks(a, [0, 3, 4]) == 2
+    assert kv.block_ids("a")[0] == [0, 3, 4, 5]
+    assert kv.pools[0].num_free_blocks == free + 2 and kv.num_held_blocks("a")[0] == 4
+    a.num_evicted_tokens += 2 * BS
+    assert kv.evict_blocks(a, [0, 1, 2]) == 0  # every full block kept
+    a.append_token(7)
+    assert kv.allocate_slots(a, 1) is not None  # the tail block (cache position 13 of 16) takes it
+    a.num_computed_tokens += 1
+    assert kv.block_ids("a")[0] == [0, 3, 4, 5]
     kv.check_integrity()
     kv.free(a)
     kv.check_integrity()

@@ -72,7 +72,8 @@ class TieredCacheMachine(RuleBasedStateMachine):
         copies = self.kv.allocate_slots(req, n, hits)
         if copies is None:
             return False
-        self.tiers.sync(self.mover, self.kv.take_block_loads())  # what the runner does before the forward pass
+        # what the runner does before the forward pass, with what SchedulerOutput carries
+        self.tiers.sync(self.mover, self.kv.take_block_exports(), self.kv.take_block_loads())
         self.cache.copy_blocks(copies[0])
         table = self.kv.block_ids(req.request_id)[0]
         start = req.num_computed_tokens + (len(hits.blocks[0]) * BS if hits else 0)
@@ -131,10 +132,9 @@ class TieredCacheMachine(RuleBasedStateMachine):
     @rule(flush=st.booleans())
     def restart(self, flush: bool) -> None:
         """The process ends (flushing its cached blocks, or crashing) and a new one starts on the same directory."""
-        self.tiers.sync(self.mover)
+        self.tiers.sync(self.mover, self.kv.take_block_exports())
         if flush:
-            self.tiers.flush(self.mover, [(b.block_id, b.block_hash, b.token_ids) for b in self.kv.pools[0].blocks
-                                          if b.block_hash is not None and b.token_ids is not None])
+            self.tiers.flush(self.mover, self.kv.cached_block_exports())
         self.tiers.close()
         self._boot()
 

@@ -98,22 +98,23 @@ def test_packing_is_a_relayout():
     assert torch.equal(_dense(pw), w) and pw.nbytes == 48 * 19 * 4
 
 
-def _run_built_with(flags: str, tmp_path, body: str, simd: bool = False) -> None:
+def _run_built_with(flags: str, cache, body: str, simd: bool = False) -> None:
     """Run `body` (test code) in a fresh process whose kernels are built with KVFORGE_EXTRA_CFLAGS=flags; with
     flags, the kernel must say it took its plain-C path, or with `simd` its SIMD one (`body` prints 'simd N')."""
     code = "import sys, torch; sys.path.insert(0, %r)\n" % os.path.dirname(__file__) + body + "print('ok')\n"
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split()[-1] == "ok", out.stderr[-2000:]
     if flags:
         assert f"simd {int(simd)}" in out.stdout
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("flags", ["-mno-avx2 -mno-fma", "-mno-avx512f", ""])
-def test_plain_c_fallback_build(tmp_path, flags):
+def test_plain_c_fallback_build(kernel_cache, flags):
     """Built without AVX2/FMA the kernel takes its plain-C path (and says so) with the same results; built
     without AVX-512 (an AVX2 CPU) its AVX2 tiles serve every row count."""
-    _run_built_with(flags, tmp_path, (
+    _run_built_with(flags, kernel_cache, (
         "from test_panel_linear import _check\n"
         "from kvforge.models import panel_linear as pl\n"
         "assert pl.available(), pl.unavailable_reason()\n"
@@ -213,12 +214,13 @@ def test_bf16_gemm_switch_rejects_unknown_values():
     assert "KVFORGE_BF16_GEMM must be one of auto, dot, fma, amx, got 'fast'" in proc.stderr
 
 
+@pytest.mark.build
 @bf16_kernel
-def test_bf16_gemm_amx_where_it_cannot_run_is_an_error_naming_why(tmp_path):
+def test_bf16_gemm_amx_where_it_cannot_run_is_an_error_naming_why(kernel_cache):
     """KVFORGE_BF16_GEMM=amx with a build that has no AMX path (`-mno-amx-tile`, as on every CPU without
     AMX) stops the bf16 kernel's load with an error that says why and what to use instead."""
     env = dict(os.environ, KVFORGE_BF16_GEMM="amx", KVFORGE_EXTRA_CFLAGS="-mno-amx-tile",
-               KVFORGE_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))
+               KVFORGE_CACHE_DIR=str(kernel_cache), PYTHONPATH=os.pathsep.join(sys.path))
     code = "import torch\nfrom kvforge.models import panel_linear as pl\npl.available(torch.bfloat16)\n"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode != 0
@@ -265,11 +267,12 @@ def test_bf16_packing_is_a_relayout():
     assert torch.equal(_dense_bf16(pw), w) and pw.nbytes == 48 * 20 * 2 and pw.dtype == torch.bfloat16
 
 
+@pytest.mark.build
 @bf16_kernel
 @pytest.mark.parametrize("flags", ["-mno-avx512bf16", ""])
-def test_bf16_plain_c_fallback_build(tmp_path, flags):
+def test_bf16_plain_c_fallback_build(kernel_cache, flags):
     """Built without AVX512-BF16 the bf16 kernel takes its plain-C path (and says so) with the same results."""
-    _run_built_with(flags, tmp_path, (
+    _run_built_with(flags, kernel_cache, (
         "from test_panel_linear import _check_bf16\n"
         "from kvforge.models import panel_linear as pl\n"
         "assert pl.available(torch.bfloat16), pl.unavailable_reason(torch.bfloat16)\n"
@@ -414,7 +417,7 @@ def test_gated_gemm_is_bitwise_the_matmul_then_silu_mul():
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the AVX-512 GEMM tiles")
 def test_gated_mlp_takes_the_one_call_on_fp32_panel_weights(monkeypatch):
     """A packed fp32 `GatedMLP` runs its gate|up matmul and SiLU-and-multiply as one call, with the bits of
-    the two calls that `KVFORGE_GATED_GEMM=0` (here: `GATED_GEMM` off) keeps."""
+    the two calls it falls back to where the one call cannot run (here: made to decline)."""
     from kvforge.models import linear as lin
     from kvforge.models.layers import GatedMLP
 
@@ -429,7 +432,7 @@ def test_gated_mlp_takes_the_one_call_on_fp32_panel_weights(monkeypatch):
     with torch.no_grad():
         fused_out = mlp(x)
         assert calls, "the gated call was not taken"
-        monkeypatch.setattr(pl, "GATED_GEMM", False)
+        monkeypatch.setattr(lin, "panel_linear_silu_mul", lambda *a, **k: None)
         assert mlp.gate_up_proj.silu_mul(x) is None
         two_calls = mlp(x)
     assert torch.equal(fused_out, two_calls)

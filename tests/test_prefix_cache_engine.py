@@ -194,7 +194,7 @@ def test_reset_prefix_cache_refuses_while_blocks_in_use(tiny_model_factory):
 def test_blocks_of_a_failed_step_are_never_hit(tiny_model_factory):
     """A block is published when its step is scheduled; if that step fails before writing its K/V, the
     block's hash is dropped at once, so no later request hits a row that holds no valid K/V."""
-    from kvforge.engine.engine import StepFailed
+    from kvforge.engine.errors import StepFailed
 
     path, _ = tiny_model_factory("llama_gqa")
     llm = _llm(path)

@@ -20,6 +20,8 @@ httpx = pytest.importorskip("httpx")
 from kvforge.distributed.ray_serve import REPLICA_HEADER, build_app, init_local_ray  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
+pytestmark = pytest.mark.ray
+
 SYSTEM = "You are a helpful assistant for the kvforge project. " * 3  # ~160 byte tokens: 10 blocks of 16
 
 
@@ -43,6 +45,15 @@ def deployment(tmp_path_factory):
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+
+
+def _wait_until(done, what: str, deadline_s: float = 60.0) -> None:
+    """Poll `done()` until it holds; fail naming `what` once the deadline passes (a bound, not a timing)."""
+    end = time.monotonic() + deadline_s
+    while not done():
+        if time.monotonic() > end:
+            pytest.fail(f"after {deadline_s:.0f} s: {what}")
+        time.sleep(0.05)
 
 
 def _ask(client, prompt):
@@ -80,7 +91,8 @@ def test_shared_prefix_lands_on_holder_and_dead_replica_is_routed_around(deploym
     actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if holder in a["name"]]
     assert len(actors) == 1
     ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
-    time.sleep(1.0)
+    _wait_until(lambda: not any(holder in a["name"] for a in ray.util.list_named_actors(all_namespaces=True)),
+                f"the killed replica {holder} still listed by Ray")
     served = [_ask(client, SYSTEM + f"After the kill {i}?")[0] for i in range(3)]
     assert holder not in served
 

@@ -209,29 +209,34 @@ def test_disconnect_mid_upload_is_one_debug_line(server, http):
 
 # ---- 4. no timeout on a slow or incomplete body; no connection cap ---------------------------------------------------
 def _recv_all(s: socket.socket, timeout: float) -> bytes:
+    return _recv_until_closed(s, timeout)[0]
+
+
+def _recv_until_closed(s: socket.socket, timeout: float) -> tuple[bytes, bool]:
+    """(what arrived, whether the server closed the connection) within `timeout` (our side's limit)."""
     s.settimeout(timeout)
     data = b""
     try:
         while chunk := s.recv(65536):
             data += chunk
-    except (socket.timeout, ConnectionResetError):
+    except socket.timeout:
+        return data, False
+    except ConnectionResetError:
         pass
-    return data
+    return data, True
 
 
 def test_incomplete_body_gets_408_and_slow_head_is_closed(server, http):
-    t0 = time.monotonic()
     with socket.create_connection((server.host, server.port)) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"prompt\": \"ab")
-        reply = _recv_all(s, 10)
-    assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply, reply[:200]
-    assert time.monotonic() - t0 < 8
+        reply, closed = _recv_until_closed(s, 30)
+    assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply, reply[:200]  # the server's timeout
+    assert closed, "the server answered 408 but kept the connection open"
     with socket.create_connection((server.host, server.port)) as s:  # slowloris: never finishes its head
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        t0 = time.monotonic()
-        assert _recv_all(s, 10) == b""  # closed by the server, not by our 10 s timeout
-        assert time.monotonic() - t0 < 8
+        reply, closed = _recv_until_closed(s, 30)
+        assert closed and reply == b"", "the server did not close a connection whose head never finished"
     _healthy(http)
 
 

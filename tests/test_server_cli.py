@@ -16,6 +16,8 @@ from kvforge.commands.serve import served_model_name
 from tiny_models import build_tiny_model
 from server_fixtures import wait_for_health
 
+pytestmark = pytest.mark.slow  # `kvforge serve` subprocesses
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from kvforge.server.auth import ENV_VAR, resolve_api_key
+from kvforge.server.auth import resolve_api_key
 from server_fixtures import MODEL_NAME, start_server, tiny_model_dir, wait_idle_and_check_blocks
 
 OK_COMPLETION = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 3}
@@ -178,10 +178,10 @@ def test_api_key_required_everywhere_but_health(model_dir):
 
 
 def test_api_key_from_environment(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "from-env")
+    monkeypatch.setenv("KVFORGE_API_KEY", "from-env")
     assert resolve_api_key(None) == "from-env"
     assert resolve_api_key("flag") == "flag"
-    monkeypatch.setenv(ENV_VAR, "")
+    monkeypatch.setenv("KVFORGE_API_KEY", "")
     assert resolve_api_key(None) is None
 
 

@@ -14,13 +14,13 @@ def test_first_compile_is_announced_with_the_cache_path(tmp_path, monkeypatch, c
     monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path / "cache"))
     src = tmp_path / "tiny_kernel.c"
     src.write_text("int kvforge_test_add(int a, int b) { return a + b; }\n")
-    lib = NativeLibrary(src, "KVFORGE_TEST_KERNEL", "a test kernel", lambda _lib: None)
+    lib = NativeLibrary(src, None, "a test kernel", lambda _lib: None)
     assert lib.load() is not None, lib.error
     err = capsys.readouterr().err
     assert "compiling CPU kernels (a test kernel), once for this CPU" in err
     cached = next((tmp_path / "cache" / "kernels").glob("tiny_kernel-*.so"))
     assert f"(cache: {cached})" in err
-    again = NativeLibrary(src, "KVFORGE_TEST_KERNEL", "a test kernel", lambda _lib: None)
+    again = NativeLibrary(src, None, "a test kernel", lambda _lib: None)
     assert again.load() is not None and capsys.readouterr().err == ""  # cached: silent
 
 

@@ -1,6 +1,7 @@
-"""The CPU paged-attention kernels (`csrc/paged_decode.c`): decode rows and, for head size 64,
-prefill chunks, both reading K/V in place from the block pool. Built on first use, called
-through ctypes.
+"""The CPU paged-attention kernels: decode rows (`csrc/paged_decode.c`) and, for head size 64,
+prefill chunks (`csrc/paged_prefill.c`), both reading K/V in place from the block pool (what they
+share is `csrc/paged_common.h`). One library of two units, compiled side by side on first use,
+called through ctypes.
 
 The decode kernel also reads compressed pools in place: a `PoolView` describes one of K/V as it
 lies in memory (fp8/int8/int4 codes and their scales, or rows of another float dtype), and the
@@ -22,7 +23,7 @@ import torch
 
 from kvforge.native import NativeLibrary
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.c", Path(__file__).parent / "csrc" / "paged_prefill.c")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FORMAT_CODES = {"fp8_e4m3": 3, "fp8_e5m2": 4, "int8": 5, "int4": 6}  # kvforge.kv.quant format names
 SCALE_CODES = {None: 0, "tensor": 1, "token": 2, "head": 3, "channel": 4}
@@ -113,6 +114,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvf_set_bf16_fma.restype = None
     lib.kvf_set_bf16_fma.argtypes = [ctypes.c_int]
     lib.kvf_set_bf16_fma(int(_bf16_fma))
+    lib.kvf_set_prefill_lanes.restype = None
+    lib.kvf_set_prefill_lanes.argtypes = [ctypes.c_int]
+    lib.kvf_set_prefill_lanes(int(_prefill_lanes))
     lib.kvf_set_bf16_amx.restype = ctypes.c_int
     lib.kvf_set_bf16_amx.argtypes = [ctypes.c_int]
     global _bf16_amx_on
@@ -120,6 +124,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 _bf16_fma = False  # see set_bf16_fma
+_prefill_lanes = True  # see set_prefill_lanes
 _bf16_amx = False  # see set_bf16_amx: asked for
 _bf16_amx_on = False  # and granted by the loaded kernel (its build has AMX, Linux gave the tile state)
 
@@ -141,6 +146,20 @@ def set_bf16_fma(on: bool) -> None:
 
 def bf16_fma() -> bool:
     return _bf16_fma
+
+
+def set_prefill_lanes(on: bool) -> None:
+    """Prefill with query vectors in lanes (on, the default) or keys in lanes (off: the loop bf16 takes on
+    AVX-512 CPUs without AVX512-BF16). Why: so tests run both loops on any AVX-512 CPU; users never need it."""
+    global _prefill_lanes
+    _prefill_lanes = bool(on)
+    lib = LIBRARY._lib  # applied now if loaded, else when it loads (`_declare`)
+    if lib is not None:
+        lib.kvf_set_prefill_lanes(int(_prefill_lanes))
+
+
+def prefill_lanes() -> bool:
+    return _prefill_lanes
 
 
 def set_bf16_amx(on: bool) -> bool:
@@ -166,7 +185,7 @@ def bf16_amx() -> bool:
     return _bf16_amx_on
 
 
-LIBRARY = NativeLibrary(SOURCE, "KVFORGE_CPU_KERNEL", "the CPU decode kernel", _declare)
+LIBRARY = NativeLibrary(SOURCES, "KVFORGE_CPU_KERNEL", "the CPU attention kernels", _declare)
 
 
 def _load() -> ctypes.CDLL | None:

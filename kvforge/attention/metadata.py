@@ -32,7 +32,3 @@ class AttentionMetadata:
     attention_mass: object | None = field(default=None, repr=False, compare=False)
     # What a backend derives once per step and every layer reuses (e.g. the CPU kernels' checked indices).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def max_decode_len(self) -> int:
-        return int(self.decode_seq_lens.max()) if self.num_decodes else 0

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from kvforge import envs
 from kvforge.commands.bench_datasets import check_dataset_args, random_dataset, shared_prefix_dataset
 
 if TYPE_CHECKING:  # the HTTP client (httpx) is imported when the benchmark runs, not when the parser is built
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    api_key = args.api_key or os.environ.get("KVFORGE_API_KEY") or None
+    api_key = args.api_key or envs.KVFORGE_API_KEY
     model = args.model or _resolve_model(args.base_url, api_key)
     if args.dataset == "random":
         reqs = random_dataset(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if server.replicas is not None:
         return _run_replicas(server, engine_config)
     logging.basicConfig(level=server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    name = server.served_model_name or served_model_name(engine_config.model_config.model)
+    name = server.served_model_name or served_model_name(engine_config.model_options.model)
     limits = ServerLimits(server.header_timeout, server.keep_alive_timeout, server.max_connections,
                           server.shutdown_timeout)
     engine = AsyncEngine(LLMEngine(engine_config), max_waiting_requests=server.max_waiting_requests).start()
@@ -79,5 +79,5 @@ def _run_replicas(server: ServerConfig, engine_config: EngineConfig) -> int:
     except ImportError as exc:
         raise ValueError(f"--replicas needs Ray Serve: pip install 'kvforge[ray]' ({exc})") from None
     engine = {k: v for k, v in engine_config.to_dict().items() if k != "log_ledger"}
-    name = server.served_model_name or served_model_name(engine_config.model_config.model)
+    name = server.served_model_name or served_model_name(engine_config.model_options.model)
     return run_replicas(server, engine, name)

@@ -136,7 +136,7 @@ class TierConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "model_config": ModelOptions, "cache_config": CacheConfig,
+    "model_options": ModelOptions, "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig, "tier_config": TierConfig,
     "eviction_config": EvictionConfig,
 }
@@ -147,7 +147,7 @@ assert len(_SECTION_OF) == sum(len(dataclasses.fields(c)) for c in SECTIONS.valu
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model_config: ModelOptions = field(default_factory=ModelOptions)
+    model_options: ModelOptions = field(default_factory=ModelOptions)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

@@ -9,19 +9,18 @@ probe off (auto then picks fp32 on CPU), e.g. for parity testing on a bf16-capab
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kvforge import envs
 from kvforge.config import SUPPORTED_DTYPES
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 arithmetic
-SWITCH = "KVFORGE_AUTO_BF16"
+SWITCH = "KVFORGE_AUTO_BF16"  # declared in kvforge/envs.py
 
 
 def cpu_bf16_flag(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """The native-bf16 flag this CPU reports (None: none, or the probe is switched off)."""
-    if os.environ.get(SWITCH, "1") == "0":
+    if not envs.KVFORGE_AUTO_BF16:
         return None
     try:
         with open(cpuinfo) as f:
@@ -52,5 +51,5 @@ def resolve_dtype(requested: str, device: torch.device, hf_config: dict, weights
     flag = cpu_bf16_flag()
     if flag is not None:
         return "bfloat16", f"auto: this CPU has native bf16 ({flag})"
-    why = f"{SWITCH}=0" if os.environ.get(SWITCH, "1") == "0" else "this CPU has no native bf16 (avx512_bf16/amx_bf16)"
+    why = f"{SWITCH}=0" if not envs.KVFORGE_AUTO_BF16 else "this CPU has no native bf16 (avx512_bf16/amx_bf16)"
     return "float32", f"auto: {why}"

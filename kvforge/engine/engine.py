@@ -16,6 +16,7 @@ import torch
 from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
 from kvforge.engine.dtype_choice import resolve_dtype
+from kvforge.engine.errors import EngineFatal, StepFailed
 from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
@@ -37,18 +38,6 @@ from kvforge.models.weight_quant import quantize_model
 from kvforge.progress import StageProgress
 
 
-class EngineFatal(RuntimeError):
-    """The engine itself cannot continue (e.g. a tensor-parallel rank died): `step` raises it unwrapped."""
-
-
-class StepFailed(RuntimeError):
-    """Running a step raised; `request_ids` are the caller requests scheduled in it (the cause is chained)."""
-
-    def __init__(self, request_ids: list[str]) -> None:
-        super().__init__(f"engine step failed for requests {request_ids}")
-        self.request_ids = request_ids
-
-
 @dataclass
 class EngineCounters:
     num_prompt_tokens: int = 0
@@ -65,7 +54,7 @@ class LLMEngine:
         from kvforge.models.loader import DEFAULT_MODEL_NAME, load_checkpoint
 
         self.config = config
-        opts = config.model_config
+        opts = config.model_options
         stages = ["reading weights", "building model", "packing linear layers"]
         if opts.quantization:
             stages.insert(2, "attaching the GGUF file's codes" if opts.quantization == "gguf"
@@ -78,7 +67,7 @@ class LLMEngine:
             self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
-            opts = config.model_config
+            opts = config.model_options
             self.executor = None
             if config.parallel_config.tensor_parallel_size > 1:  # the ranks load their own shards (kvforge/distributed)
                 from kvforge.engine.parallel.executor import TensorParallelExecutor
@@ -108,7 +97,7 @@ class LLMEngine:
 
     def _init_cache_and_scheduler(self) -> None:
         config, cfg = self.config, self.model_config
-        opts, cache_cfg, sched = config.model_config, config.cache_config, config.scheduler_config
+        opts, cache_cfg, sched = config.model_options, config.cache_config, config.scheduler_config
         self.cache_format = cache_cfg.cache_format(opts.dtype)
         shape = cfg.kv_shape()
         if self.executor is not None:  # one device's share: its own KV heads (replicated when too few)
@@ -142,7 +131,9 @@ class LLMEngine:
         if self.executor is not None:
             from kvforge.engine.parallel.setup import init_tensor_parallel_caches
 
-            self.runner, self.report = init_tensor_parallel_caches(self, groups, layer_groups, max_model_len)
+            self.runner, self.report = init_tensor_parallel_caches(
+                self.executor, config, cfg, self.cache_format, groups, layer_groups,
+                [self.kv.pools[g].num_physical_blocks for g in layer_groups], max_model_len)
         else:
             caches = make_layer_caches(
                 cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
@@ -156,7 +147,7 @@ class LLMEngine:
         self.eviction: EvictionTracker | None = None
         if config.eviction_config.enabled:  # refused with tensor parallelism (EngineConfig)
             check_eviction_supported(cfg, len(groups))
-            self.eviction = self.runner.eviction = EvictionTracker(config.eviction_config, self.kv)
+            self.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.report.dtype_reason = self.dtype_reason
         if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
@@ -191,9 +182,7 @@ class LLMEngine:
         """
         if self.tiers is None:
             return
-        pool = self.kv.pools[0]
-        self.tiers.flush(self.runner.mover, [(b.block_id, b.block_hash, b.token_ids) for b in pool.blocks
-                                             if b.block_hash is not None and b.token_ids is not None])
+        self.tiers.flush(self.runner.mover, self.kv.take_block_exports() + self.kv.cached_block_exports())
         self.tiers.close()
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
@@ -303,8 +292,13 @@ class LLMEngine:
             if chunk.forks:
                 self.samples[chunk.request.group_id].extend(chunk.forks)
                 self.outputs.fork(chunk.forks)
-        results = self.runner.execute(sched_out)
+        if self.eviction is not None:  # scored policies: which rows' attention mass the runner returns
+            sched_out.attention_scoring = self.eviction.scoring_for(sched_out.chunks)
+        ran = self.runner.execute(sched_out)
+        results = ran.sampled
         self.kv_map.after_step(sched_out, self)
+        if self.eviction is not None:
+            self.eviction.collect(ran.attention_mass, sched_out.chunks)
         self.kv_usage.observe(self.kv, *stored_after_step(self.scheduler.running, sched_out.chunks))
         self.counters.num_steps += 1
         self.counters.num_prompt_tokens += sum(
@@ -316,7 +310,7 @@ class LLMEngine:
             for req in sched_out.preempted:  # recompute starts over: scores go with the blocks
                 self.eviction.release(req.request_id)
             for req in advanced:  # caught up with its tokens: cut to the budget (the prompt once, then a block at a time)
-                evicted = self.eviction.enforce(req)
+                evicted = self.eviction.evict_if_due(req)
                 self.kv_map.on_evict(req, evicted, self.config.eviction_config.kv_eviction)
                 self.counters.num_evicted_blocks += evicted
                 self.counters.num_evicted_tokens += evicted * self.kv.block_size
@@ -351,7 +345,7 @@ class LLMEngine:
         if self.kv.allocate_slots(req, len(token_ids)) is None:
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
-            return self.runner.prompt_logits(req, self.kv.block_ids(req.request_id))
+            return self.runner.prompt_logits(req, self.kv.block_ids(req.request_id), self.kv.take_block_exports())
         finally:
             self.kv.free(req)
 

@@ -1,10 +1,11 @@
 """The engine side of KV eviction: scores per cached token, and cutting sequences to their budget.
 
-`kvforge/kv/eviction.py` decides which blocks stay (pure logic); this module feeds it. Each step it
-tells the attention layers which query rows to score (`AttentionMassRequest`), adds the per-token mass
-they report to each sequence's running scores, and after the scheduler's update cuts every sequence
+`kvforge/kv/eviction.py` decides which blocks stay (pure logic); this module feeds it, on the engine's
+side of the runner. Each step it says which query rows to score (`SchedulerOutput.attention_scoring`),
+adds the per-token mass the runner returns (`ModelRunnerOutput.attention_mass`) to each sequence's
+running scores, and after the scheduler's update cuts every sequence
 that has computed all its known tokens down to `budget // block_size` full blocks plus its tail
-(`KVCacheCoordinator.compact_blocks`). Scores live in cache coordinates and are compacted with the table.
+(`KVCacheCoordinator.evict_blocks`). Scores live in cache coordinates and close up with the table.
 
 Preemption drops a sequence's scores with its blocks: recompute prefills the prompt and the tokens
 generated so far as one new prompt, with the full KV, then cuts it once by the policy's prompt-end rule
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from kvforge.attention.mass import AttentionMassRequest
 from kvforge.config import ModelConfig
 from kvforge.engine.request import Request
-from kvforge.engine.scheduler import ScheduledChunk
+from kvforge.engine.scheduler import AttentionScoring, ScheduledChunk, batch_order
 from kvforge.kv.eviction import EvictionConfig, blocks_to_keep
 from kvforge.kv.blocks import KVBlock
 from kvforge.kv.coordinator import KVCacheCoordinator
@@ -72,13 +73,12 @@ class EvictionTracker:
         return next((i for i, b in enumerate(blocks) if b.block_hash not in self.block_mass), len(blocks))
 
     # ---- scores -----------------------------------------------------------------------------
-    def mass_request(
-        self, chunks: list[ScheduledChunk], decodes: list[int], prefills: list[int]
-    ) -> AttentionMassRequest | None:
+    def scoring_for(self, chunks: list[ScheduledChunk]) -> AttentionScoring | None:
         """Which rows this step scores: none for streaming; every row for h2o; for snapkv every decode
         row and, in prefill, the queries among the last `snapkv_window` known tokens."""
         if not self.config.needs_scores:
             return None
+        decodes, prefills = batch_order(chunks)
         rows: list[slice | None] = []
         for i in prefills:
             c = chunks[i]
@@ -87,15 +87,14 @@ class EvictionTracker:
                 first = max(0, c.request.num_tokens - self.config.snapkv_window - c.start)
             rows.append(slice(first, c.num_tokens) if first < c.num_tokens else None)
         bs = self.block_size if self.config.policy == "h2o" and self.kv.enable_caching else 0
-        return AttentionMassRequest(decodes=bool(decodes), prefill_rows=rows, block_size=bs,
-                                    per_head=self.config.policy == "snapkv")
+        return AttentionScoring(decodes=bool(decodes), prefill_rows=rows, block_size=bs,
+                                per_head=self.config.policy == "snapkv")
 
-    def collect(
-        self, mass: AttentionMassRequest | None, chunks: list[ScheduledChunk], decodes: list[int], prefills: list[int]
-    ) -> None:
+    def collect(self, mass: AttentionMassRequest | None, chunks: list[ScheduledChunk]) -> None:
         """Add the step's reported mass to each scored sequence (and copy it to forks made this step)."""
         if mass is None:
             return
+        decodes, prefills = batch_order(chunks)
         for j, i in enumerate(decodes):
             if mass.decode_mass is not None:
                 self._add(chunks[i], mass.decode_mass[j])
@@ -195,13 +194,13 @@ class EvictionTracker:
         return s
 
     # ---- eviction ---------------------------------------------------------------------------
-    def enforce(self, req: Request) -> int:
-        """Cut `req` to its budget once it has computed every known token; returns blocks evicted."""
+    def evict_if_due(self, req: Request) -> int:
+        """Evict `req` down to its budget once it has computed every known token; returns blocks evicted."""
         if req.kv_budget is None or req.is_finished or req.num_computed_tokens < req.num_tokens - 1:
             return 0
-        return self.cut(req)
+        return self.evict(req)
 
-    def cut(self, req: Request) -> int:
+    def evict(self, req: Request) -> int:
         """Evict `req`'s full blocks beyond its budget by the policy's rule now; returns how many."""
         assert req.kv_budget is not None
         bs, cfg = self.block_size, self.config
@@ -221,7 +220,7 @@ class EvictionTracker:
         keep = blocks_to_keep(cfg.policy, num_full, budget_blocks, cfg.sink_blocks(bs), cfg.recent_blocks(bs, req.kv_budget),
                               block_scores)
         logical = self.logical_blocks(req)
-        evicted = self.kv.compact_blocks(req, keep)
+        evicted = self.kv.evict_blocks(req, keep)
         req.num_evicted_tokens += evicted * bs
         req.evicted_tokens_total += evicted * bs
         req.evicted_blocks_total += evicted

@@ -16,12 +16,13 @@ from kvforge.kv.block_map import StepWrites, build_snapshot
 from kvforge.kv.events import KVEventLog
 
 if TYPE_CHECKING:
-    from kvforge.engine.engine import LLMEngine
     from kvforge.engine.request import Request
     from kvforge.engine.scheduler import SchedulerOutput
 
 
 class KVMapObserver:
+    """Owned by the `LLMEngine` (typed `Any` here: engine.py imports this module, not the reverse)."""
+
     def __init__(self, capacity: int = 512, history: int = 300) -> None:
         self.events = KVEventLog(capacity)
         # the gauges of the last `history` steps, so a page opened mid-run draws the curves from the start:
@@ -34,7 +35,7 @@ class KVMapObserver:
         self._tier_stored: dict[str, int] = {}
         self._reclaimed = 0
 
-    def after_step(self, out: "SchedulerOutput", engine: "LLMEngine") -> None:
+    def after_step(self, out: "SchedulerOutput", engine: Any) -> None:
         """Record the step's events; called once the runner wrote its K/V (before eviction cuts tables)."""
         self.step += 1
         step = self.step
@@ -67,7 +68,7 @@ class KVMapObserver:
         self._chunks = [(c.start, c.num_tokens, c.block_ids) for c in out.chunks]
         self._shifts = {i: c.request.num_evicted_tokens for i, c in enumerate(out.chunks) if c.request.num_evicted_tokens}
 
-    def _record_gauges(self, engine: "LLMEngine") -> None:
+    def _record_gauges(self, engine: Any) -> None:
         """O(1) a step: every input is a counter the engine keeps (utilization was measured this step)."""
         kv, use = engine.kv, engine.kv_usage.last
         contiguous = engine.scheduler_config.max_model_len * len(engine.scheduler.running) * kv.num_groups
@@ -79,7 +80,7 @@ class KVMapObserver:
         if num_blocks:
             self.events.record("evict", self.step, request=req.request_id, blocks=num_blocks, policy=policy)
 
-    def snapshot(self, engine: "LLMEngine", since: int | None = None, max_events: int = 200) -> dict[str, Any]:
+    def snapshot(self, engine: Any, since: int | None = None, max_events: int = 200) -> dict[str, Any]:
         """The map as of the last step, with the events from sequence `since` on (None: the newest only)."""
         kv = engine.kv
         writes = StepWrites.from_chunks(self._chunks, kv.block_size, kv.num_groups,

@@ -6,22 +6,28 @@ applies copy-on-write block copies, runs the forward pass, and samples the
 chunks that reach the end of their known tokens.
 
 Everything it knows about the KV cache arrives in the `SchedulerOutput`: block
-ids per KV cache group on each chunk, copies per group. It never calls the KV
+ids per KV cache group on each chunk, copies per group, the KV tiers' exports and
+loads, the rows KV eviction scores. What it produces goes back in a
+`ModelRunnerOutput` (sampled tokens, attention mass). It never calls the KV
 coordinator, so it can run in another process (a tensor-parallel rank).
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
+from kvforge.attention.mass import AttentionMassRequest
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
-from kvforge.engine.kv_eviction import EvictionTracker
 from kvforge.engine.request import Request
-from kvforge.engine.sampler import SampleResult, sample
+from kvforge.engine.runner_output import ModelRunnerOutput, mass_for
+from kvforge.engine.sampler import sample
 from kvforge.engine.sampling_params import sample_seed
-from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvforge.engine.scheduler import AttentionScoring, ScheduledChunk, SchedulerOutput, batch_order
+from kvforge.kv.interface import KVExport, KVLoad
 from kvforge.kv.storage.layer_cache import PagedLayerStorage
+from kvforge.kv.tiers.block_io import BlockMover
+from kvforge.kv.tiers.tiers import KVTiers
 
 
 def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -43,20 +49,19 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
-        self.eviction: EvictionTracker | None = None  # set by the engine when KV eviction is on
         self.default_generator = torch.Generator().manual_seed(seed)
-        self.tiers: Any = None  # KV tiers (kvforge.kv.tiers): loads and evictions queued by the KV manager
-        self.mover: Any = None
+        self.tiers: KVTiers | None = None  # KV tiers (kvforge.kv.tiers): their byte-moving side
+        self.mover: BlockMover | None = None
 
-    def attach_tiers(self, tiers: Any, mover: Any) -> None:
+    def attach_tiers(self, tiers: KVTiers, mover: BlockMover) -> None:
         self.tiers, self.mover = tiers, mover
 
-    def _sync_tiers(self, loads: list) -> None:
-        """Before any write into the caches: evicted blocks out to the tiers, then `loads` (tier hits) in."""
+    def _sync_tiers(self, exports: Sequence[KVExport], loads: Sequence[KVLoad]) -> None:
+        """Before any write into the caches: `exports` (evicted blocks) out to the tiers, then `loads` (tier hits) in."""
         if self.tiers is not None:
-            self.tiers.sync(self.mover, loads)
-        elif loads:
-            raise NotImplementedError("this runner has no second-level KV tier to load blocks from")
+            self.tiers.sync(self.mover, exports, loads)
+        elif exports or loads:
+            raise NotImplementedError("this runner has no second-level KV tier to move blocks to or from")
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -70,8 +75,7 @@ class ModelRunner:
         The metadata is one `AttentionMetadata`, or with several KV cache groups one per layer: each
         layer gets its group's (its own slots and block tables; ids and positions are shared).
         """
-        decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
-        prefills = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+        decodes, prefills = batch_order(chunks)
         ids: list[int] = [chunks[i].request.all_token_ids[chunks[i].start] for i in decodes]
         positions = [torch.tensor([chunks[i].start for i in decodes], dtype=torch.int64)]
         for i in prefills:
@@ -126,19 +130,17 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        self._sync_tiers(out.block_loads)
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._sync_tiers(out.block_exports, out.block_loads)
         if out.has_copies:
             self._copy_blocks(out.block_copies)
         if out.is_empty:
-            return {}
+            return ModelRunnerOutput()
         chunks = out.chunks
         input_ids, positions, meta, order = self.prepare(chunks)
         mass = None
-        if self.eviction is not None:  # scored eviction policies: the layers report attention mass
-            num_decodes = sum(1 for c in chunks if c.num_tokens == 1)  # `order` lists decodes first
-            decodes, prefills = order[:num_decodes], order[num_decodes:]
-            mass = self.eviction.mass_request(chunks, decodes, prefills)
+        if out.attention_scoring is not None:  # scored eviction policies: the layers report attention mass
+            mass = mass_for(out.attention_scoring)
             assert isinstance(meta, AttentionMetadata), "KV eviction runs with one KV cache group"
             meta.attention_mass = mass
         # row of each chunk's last token in the flattened batch
@@ -152,10 +154,8 @@ class ModelRunner:
                     rows.append(row - 1)
                     sampling.append(r)
         logits = self._forward_logits(input_ids, positions, meta, rows)
-        if mass is not None:
-            self.eviction.collect(mass, chunks, decodes, prefills)
         if logits is None:  # nothing sampled this step
-            return {}
+            return ModelRunnerOutput(attention_mass=mass)
         params = [r.sampling_params for r in sampling]
         gens = [self._generator(r.request_id, r.sampling_params.seed, r.sample_index) for r in sampling]
         banned = [
@@ -163,7 +163,7 @@ class ModelRunner:
             for r in sampling
         ]
         results = sample(logits, params, gens, banned)
-        return {r.request_id: res for r, res in zip(sampling, results)}
+        return ModelRunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, mass)
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
         """Seeded requests own a generator (sample i of n: `sample_seed(seed, i)`), kept across preemption."""
@@ -199,23 +199,23 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def prompt_logits(self, req: Request, block_ids: list[list[int]]) -> torch.Tensor:
-        """Logits [T, V] for every token of `req`, whose blocks (`block_ids` per group) are allocated."""
-        return self.chunk_logits(ScheduledChunk(req, 0, req.num_tokens, block_ids=block_ids))
+    def prompt_logits(self, req: Request, block_ids: list[list[int]], exports: Sequence[KVExport] = ()) -> torch.Tensor:
+        """Logits [T, V] for every token of `req`, whose blocks (`block_ids` per group) are allocated;
+        `exports`: blocks that allocation evicted, copied down to the KV tiers first."""
+        return self.chunk_logits(ScheduledChunk(req, 0, req.num_tokens, block_ids=block_ids), exports=exports)[0]
 
     @torch.inference_mode()
-    def chunk_logits(self, chunk: ScheduledChunk, scored: bool = False) -> torch.Tensor:
-        """Logits [n, V] for every token of one allocated chunk (`chunk.block_ids` set); `scored`: feed
-        KV eviction's scores too (`kvforge eval kv-evict` streams text through the cache this way)."""
-        self._sync_tiers([])
+    def chunk_logits(
+        self, chunk: ScheduledChunk, scoring: AttentionScoring | None = None, exports: Sequence[KVExport] = ()
+    ) -> tuple[torch.Tensor, AttentionMassRequest | None]:
+        """Logits [n, V] for every token of one allocated chunk (`chunk.block_ids` set) and, with `scoring`,
+        its attention mass for KV eviction (`kvforge eval kv-evict` streams text through the cache this way)."""
+        self._sync_tiers(exports, [])
         input_ids, positions, meta, _ = self.prepare([chunk])
         mass = None
-        if scored and self.eviction is not None:
-            single = ([], [0]) if chunk.num_tokens > 1 else ([0], [])
-            mass = self.eviction.mass_request([chunk], *single)
+        if scoring is not None:
+            mass = mass_for(scoring)
             meta.attention_mass = mass  # type: ignore[union-attr]
         logits = self._forward_logits(input_ids, positions, meta, None)
-        if mass is not None:
-            self.eviction.collect(mass, [chunk], *single)
         assert logits is not None
-        return logits
+        return logits, mass

@@ -8,7 +8,8 @@ n > 1 samples is prefilled once; when its last prompt chunk samples, it is
 forked into n requests sharing its blocks (copy-on-write in the KV coordinator).
 
 Everything the model runner needs from the KV cache travels in `SchedulerOutput`:
-each chunk's block ids per KV cache group, and the copy-on-write copies per group.
+each chunk's block ids per KV cache group, the copy-on-write copies per group, the
+KV tiers' exports and loads, and (set by the engine) which rows KV eviction scores.
 The runner never calls the coordinator.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from kvforge.config import SchedulerConfig
 from kvforge.engine.request import Request, RequestStatus
-from kvforge.kv.interface import BlockCopies, KVCacheCoordinatorProtocol, KVLoad
+from kvforge.kv.interface import BlockCopies, KVCacheCoordinatorProtocol, KVExport, KVLoad
 
 
 @dataclass
@@ -35,12 +36,33 @@ class ScheduledChunk:
         return self.start + self.num_tokens == self.request.num_tokens
 
 
+def batch_order(chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
+    """The flattened batch's order: the decode chunks (one token), then the prefill chunks, each as scheduled.
+
+    The runner lays out rows this way, and KV eviction reads the attention mass back in it."""
+    decodes = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+    return decodes, [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+
+
+@dataclass
+class AttentionScoring:
+    """KV eviction's ask for one step (the engine sets it, engine/kv_eviction.py decides it): the query rows
+    whose attention mass per cached token the runner sums over the layers and returns in its output."""
+
+    decodes: bool  # every decode row
+    prefill_rows: list[slice | None]  # per prefill chunk in batch order: its rows to score (relative to it), or None
+    block_size: int = 0  # h2o with prefix caching: also split each chunk's mass by query and key block
+    per_head: bool = False  # snapkv: prefill rows report per layer and query head, not summed
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: BlockCopies = field(default_factory=list)  # per KV cache group: copy-on-write (src, dst) pairs
     preempted: list[Request] = field(default_factory=list)
-    block_loads: list[KVLoad] = field(default_factory=list)  # KV tiers: second-level blocks to load first
+    block_exports: list[KVExport] = field(default_factory=list)  # KV tiers: device blocks to copy down first
+    block_loads: list[KVLoad] = field(default_factory=list)  # KV tiers: second-level blocks to load (after exports)
+    attention_scoring: AttentionScoring | None = None  # KV eviction: rows whose attention mass the runner returns
     swapped: list[str] = field(default_factory=list)  # preempted requests whose blocks went to the host tier
 
     def add_copies(self, copies: BlockCopies) -> None:
@@ -50,10 +72,6 @@ class SchedulerOutput:
     @property
     def has_copies(self) -> bool:
         return any(self.block_copies)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -114,6 +132,7 @@ class Scheduler:
             if chunk.samples and chunk.request.num_seqs > 1:
                 chunk.forks = self._fork(chunk.request)
             chunk.block_ids = self.kv.block_ids(chunk.request.request_id)  # final: every allocation is done
+        out.block_exports.extend(self.kv.take_block_exports())  # evictions and swap-outs of every allocation
         out.block_loads.extend(self.kv.take_block_loads())  # tier hits the admissions took
         return out
 

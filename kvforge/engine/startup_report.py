@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvforge import envs
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
 from kvforge.models.linear import PANEL_DECODE_ROWS, Linear
@@ -54,6 +55,7 @@ class StartupReport:
     dtype_reason: str = ""  # why this compute dtype (dtype="auto" says what it found)
     kv_eviction: str = "none"
     kv_budget: int | None = None
+    environment: list[tuple[str, str]] = field(default_factory=list)  # KVFORGE_* variables set (kvforge.envs)
     weights_format: str = ""  # quantization=: the linear layers' weight formats (models/weight_quant.describe)
 
     @property
@@ -94,6 +96,7 @@ class StartupReport:
             *((("linear layers", self.linear),) if self.linear else ()),
             *self.tiers,
             *self.parallel,
+            *((("environment", ", ".join(f"{k}={v}" for k, v in self.environment)),) if self.environment else ()),
         ]
         width = max(len(k) for k, _ in rows)
         return "kvforge ledger\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
@@ -149,9 +152,9 @@ def report_for(
             scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
         kv_dtype += f" (scales {scales})"
     return StartupReport(
-        model=config.model_config.model or "SmolLM2-135M-Instruct (default)",
+        model=config.model_options.model or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,
-        dtype=config.model_config.dtype,
+        dtype=config.model_options.dtype,
         device=device,
         weights_bytes=weights,
         kv_dtype=kv_dtype,
@@ -164,10 +167,11 @@ def report_for(
         max_num_seqs=config.scheduler_config.max_num_seqs,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         groups=list(groups),
-        attention=describe_backend(config.model_config.attention_backend, device.split(":")[0]),
+        attention=describe_backend(config.model_options.attention_backend, device.split(":")[0]),
         linear=linear,
         kv_eviction=config.eviction_config.kv_eviction,
         kv_budget=config.eviction_config.kv_budget,
+        environment=envs.set_variables(),
     )
 
 

@@ -152,10 +152,14 @@ class KVEvictEval:
                 if eng.kv.allocate_slots(req, n) is None:
                     raise ValueError("the evaluation's KV pool is too small for its texts")
                 sched = ScheduledChunk(req, start, n, block_ids=eng.kv.block_ids(req.request_id))
-                logits.append(eng.runner.chunk_logits(sched, scored=budget is not None))
+                scored = budget is not None and eng.eviction is not None
+                step_logits, mass = eng.runner.chunk_logits(sched, eng.eviction.scoring_for([sched]) if scored else None)
+                if mass is not None:
+                    eng.eviction.collect(mass, [sched])
+                logits.append(step_logits)
                 req.num_computed_tokens = start + n
                 if budget is not None:
-                    eng.eviction.cut(req)
+                    eng.eviction.evict(req)
         finally:
             eng.kv.free(req)
             if eng.eviction is not None:

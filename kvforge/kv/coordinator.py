@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 from kvforge.kv.blocks import BlockPool, KVBlock
 from kvforge.kv.group_manager import GroupManager
 from kvforge.kv.hashing import BlockHash, extend_block_hashes
-from kvforge.kv.interface import BlockCopies, KVCacheBlocks, KVLoad, KVRequest
+from kvforge.kv.interface import BlockCopies, KVCacheBlocks, KVExport, KVLoad, KVRequest
 from kvforge.kv.stats import PrefixCacheStats
 from kvforge.kv.tiers.tiers import TierHit
 from kvforge.ledger import KVGroup
@@ -80,6 +80,7 @@ class KVCacheCoordinator:
         self.pool = PoolsView(self.pools, [len(g.layers) for g in groups])
         self.stats = PrefixCacheStats()
         self.tiers: KVTiers | None = None  # host/disk tiers below the device pool (kvforge.kv.tiers)
+        self.exports: list[KVExport] = []  # blocks to copy down to the tiers, taken into the next SchedulerOutput
         # KV eviction's scores need some queries computed, never hit (engine/kv_eviction.py): given a
         # request and its cached head blocks, how many of them it may use (None: all).
         self.hit_limit: Callable[[KVRequest, list[KVBlock]], int] | None = None
@@ -99,7 +100,7 @@ class KVCacheCoordinator:
         def on_evict(block_hash: BlockHash, block_id: int) -> None:  # called before the block forgets its tokens
             tokens = pool.blocks[block_id].token_ids
             if tokens is not None:
-                tiers.on_evict(block_id, block_hash, tokens)
+                self.exports.append(KVExport(block_id, block_hash, tokens))
 
         pool.add_evict_listener(on_evict)
         manager.tiers = self.tiers = tiers
@@ -112,6 +113,17 @@ class KVCacheCoordinator:
             m.loads.clear()
         return loads
 
+    def take_block_exports(self) -> list[KVExport]:
+        """Blocks evicted or swapped out since the last call: the runner copies them down to the tiers before
+        the step's writes (the scheduler takes them after every allocation of the step)."""
+        exports, self.exports = self.exports, []
+        return exports
+
+    def cached_block_exports(self) -> list[KVExport]:
+        """Every cached block of the device pool as an export (shutdown: the tiers keep what the pool had)."""
+        return [KVExport(b.block_id, b.block_hash, b.token_ids) for b in self.managers[0].pool.blocks
+                if b.block_hash is not None and b.token_ids is not None]
+
     def should_swap(self, req: KVRequest) -> bool:
         """Swap `req`'s blocks to the host tier at preemption (the measured ledger's cheaper choice)?"""
         return self.tiers is not None and self.tiers.should_swap(self.managers[0].num_published.get(req.request_id, 0))
@@ -121,7 +133,7 @@ class KVCacheCoordinator:
         assert self.tiers is not None
         m = self.managers[0]
         table = m.tables.get(req.request_id, [])[: m.num_published.get(req.request_id, 0)]
-        self.tiers.swap_out((b.block_id, b.block_hash, b.token_ids) for b in table
+        self.exports.extend(KVExport(b.block_id, b.block_hash, b.token_ids, swap=True) for b in table
                             if b.block_hash is not None and b.token_ids is not None)
 
     # ---- shape and capacity ---------------------------------------------------------------
@@ -267,7 +279,7 @@ class KVCacheCoordinator:
             return None
         hashes = self.block_hashes(req) if self.enable_caching else []
         if req.num_computed_tokens == 0 and req.num_preemptions == 0 and req.request_id not in self.managers[0].tables:
-            req.cached_tokens_by_tier = self._count_by_tier(hits[0])  # type: ignore[attr-defined]
+            req.cached_tokens_by_tier = self._count_by_tier(hits[0])
         return [m.commit_slots(req, num_new_tokens, h, hashes) for m, h in zip(self.managers, hits)]
 
     def _count_by_tier(self, hits: Sequence[KVBlock | TierHit]) -> dict[str, int]:
@@ -277,22 +289,14 @@ class KVCacheCoordinator:
             counts[hit.tier if isinstance(hit, TierHit) else "device"] += self.block_size
         return counts
 
-    def drop_blocks(self, request_id: str, group: int, indices: Sequence[int]) -> int:
-        """Lossy eviction: free the blocks at `indices` of one group's table, null block in their place.
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+        """KV eviction (one-group models): keep only the full blocks at `keep`; the table closes up.
 
-        Table positions keep their meaning (index i holds tokens [i * block_size, (i + 1) * block_size));
-        attention must mask the dropped positions. Returns how many blocks went back to the pool.
+        Positions shift: the caller advances the request's `num_evicted_tokens` by the returned blocks x
+        block_size, and attention reads a shorter table with no mask (no null block is left in it).
         """
-        return self.managers[group].drop_blocks(request_id, indices)
-
-    def compact_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
-        """Lossy eviction that closes up the table (one-group models): keep only the full blocks at `keep`.
-
-        Unlike `drop_blocks`, positions shift: the caller advances the request's `num_evicted_tokens`
-        by the returned blocks x block_size, and attention reads a shorter, unmasked table.
-        """
-        assert self.num_groups == 1, "compacting eviction serves one-group models"
-        return self.managers[0].compact_blocks(req, keep)
+        assert self.num_groups == 1, "KV eviction serves one-group models"
+        return self.managers[0].evict_blocks(req, keep)
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """`child` shares every block of `parent` in every group; its hash chain starts as a copy."""

@@ -168,18 +168,5 @@ def max_pool(values: Sequence[float], kernel: int) -> list[float]:
     return [max(values[max(0, i - half) : min(n, i - half + kernel)]) for i in range(n)]
 
 
-def block_sums(token_scores: Sequence[float], block_size: int, num_blocks: int) -> list[float]:
-    """Per-block sums of per-token scores (SUM aggregation) for the first `num_blocks` blocks."""
-    return [sum(token_scores[i * block_size : (i + 1) * block_size]) for i in range(num_blocks)]
-
-
-def max_held_blocks(budget_tokens: int | None, block_size: int, prompt_tokens: int) -> int:
-    """Most blocks one evicting sequence holds at once: its prompt while prefilling, then budget + 1."""
-    prompt = -(-prompt_tokens // block_size)
-    if budget_tokens is None:
-        return prompt
-    return max(prompt, budget_tokens // block_size + 1)
-
-
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

@@ -185,30 +185,23 @@ class GroupManager:
             i -= 1
         self._replace_with_null(table, range(i, min(n, len(table))))
 
-    def drop_blocks(self, request_id: str, indices: Iterable[int]) -> int:
-        """Free the blocks at `indices` of the request's table (lossy eviction); returns how many were freed."""
-        table = self.tables.get(request_id)
-        if not table:
-            return 0
-        return self._replace_with_null(table, indices)
-
-    def compact_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
-        """Lossy eviction that closes up: keep only the full blocks at `keep` (ascending) plus the tail.
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+        """KV eviction: keep only the full blocks at `keep` (ascending) plus the tail; the table closes up.
 
         Only this request's references go: a block another table shares (prefix hit, fork) stays as it
         is, and a cached block keeps its hash, hittable until the pool reuses it. Cache coordinates then
         shift down by the evicted tokens (the request's `num_evicted_tokens`, which the caller advances);
-        no null block is left, so attention needs no mask. Returns how many blocks were dropped.
+        no null block is left, so attention needs no mask. Returns how many blocks were evicted.
         """
         table = self.tables.get(req.request_id, [])
         num_full = cached_tokens(req) // self.block_size
         kept = set(keep)
         assert kept <= set(range(num_full)), "only full blocks can be evicted"
-        dropped = [b for i, b in enumerate(table[:num_full]) if i not in kept]
-        if dropped:
+        evicted = [b for i, b in enumerate(table[:num_full]) if i not in kept]
+        if evicted:
             self.tables[req.request_id] = [b for i, b in enumerate(table) if i >= num_full or i in kept]
-            self.pool.free_blocks(reversed(self.live(dropped)))  # a chain's tail first, as `free` does
-        return len(dropped)
+            self.pool.free_blocks(reversed(self.live(evicted)))  # a chain's tail first, as `free` does
+        return len(evicted)
 
     def _replace_with_null(self, table: list[KVBlock], indices: Iterable[int]) -> int:
         dead = []
@@ -234,8 +227,7 @@ class GroupManager:
         if not self.pool.enable_caching:
             return
         done = self.num_published.get(req.request_id, 0)
-        evicted: int = getattr(req, "num_evicted_tokens", 0)  # an evicting sequence's blocks are not the prompt's
-        if num_full <= done or evicted:
+        if num_full <= done or req.num_evicted_tokens:  # an evicting sequence's blocks are not the prompt's
             return
         table, bs = self.tables[req.request_id], self.block_size
         for i in range(done, min(num_full, len(hashes))):
@@ -263,4 +255,4 @@ class GroupManager:
 
 def cached_tokens(req: KVRequest) -> int:
     """Tokens whose K/V the request's table holds: computed minus those KV eviction compacted away."""
-    return req.num_computed_tokens - getattr(req, "num_evicted_tokens", 0)
+    return req.num_computed_tokens - req.num_evicted_tokens

@@ -13,18 +13,18 @@ Shapes, always per KV cache group (a plain model has exactly one group):
 `KVCacheCoordinatorProtocol` is the public contract. Two features build on it
 (docs/DESIGN.md, "KV coordinator contract"):
 
-- Lossy eviction (dropping KV from the middle of a sequence): `drop_blocks`
-  replaces chosen blocks of one group's table by the group's null block and
-  frees them to the pool (positions keep their meaning; attention must mask).
-  kvforge's eviction (`kv_eviction=...`, engine/kv_eviction.py) uses
-  `compact_blocks` instead: the table closes up, the request's
-  `num_evicted_tokens` shifts its cache coordinates, and attention reads a
-  shorter table with no mask, in every backend.
+- KV eviction (removing KV from the middle of a sequence, `kv_eviction=...`,
+  engine/kv_eviction.py): `evict_blocks` keeps chosen full blocks, the table
+  closes up, the request's `num_evicted_tokens` shifts its cache coordinates,
+  and attention reads a shorter table with no mask, in every backend.
 - KV tiers use `BlockPool.add_evict_listener` (a hook when a cached block leaves
   the device pool) and a `SecondaryKVCache`: a prefix lookup continues into it
   after the device misses, and the allocation that admits the request yields
-  `KVLoad`s (second-level key -> freshly allocated device block) that travel to
-  the runner in `SchedulerOutput.block_loads`, like copies.
+  `KVLoad`s (second-level key -> freshly allocated device block). The other
+  direction is a `KVExport` (a device block whose bytes go down to the tiers
+  before its new owner writes it: an evicted cached block, or a swap-out at
+  preemption). Both travel to the runner in `SchedulerOutput` (`block_exports`,
+  `block_loads`), like copies: the runner never reads a queue the coordinator fills.
 """
 from __future__ import annotations
 
@@ -42,12 +42,16 @@ BlockCopies = list[list[tuple[int, int]]]  # per group: (src block id, dst block
 
 
 class KVRequest(Protocol):
-    """What the KV layer reads (and the one field it writes) of a request.
+    """What the KV layer reads and writes of a request.
 
     `block_hashes` belongs to the request: the coordinator appends a block's hash
     once it fills and never recomputes it (a preempted request keeps its chain);
-    every group reads the same list.
+    every group reads the same list. `cached_tokens_by_tier` is the one field the
+    coordinator sets: at first admission, the prompt tokens each level (device,
+    host, disk) served, which the request's output reports.
     """
+
+    cached_tokens_by_tier: dict[str, int]
 
     @property
     def request_id(self) -> str: ...
@@ -63,6 +67,10 @@ class KVRequest(Protocol):
     def cache_salt(self) -> str | None: ...
     @property
     def block_hashes(self) -> list[BlockHash]: ...
+    @property
+    def num_evicted_tokens(self) -> int:
+        """KV eviction: tokens evicted from the middle of the sequence (cache length = computed - evicted)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,17 @@ class KVLoad:
     group: int
     key: BlockHash
     dst: int
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """Tiers: copy device block `block_id` (holding `token_ids`, hashed `block_hash`) down to the tiers
+    before anything overwrites it; `swap`: a preempted request's block, kept in host memory only."""
+
+    block_id: int
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+    swap: bool = False
 
 
 class SecondaryKVCache(Protocol):
@@ -157,12 +176,13 @@ class KVCacheCoordinatorProtocol(Protocol):
 
     def block_ids(self, request_id: str) -> list[list[int]]: ...
     def num_held_blocks(self, request_id: str) -> list[int]: ...
-    def drop_blocks(self, request_id: str, group: int, indices: Sequence[int]) -> int:
-        """Lossy eviction: free the given blocks of one group's table (null block in their place)."""
-        ...
-
     def take_block_loads(self) -> list[KVLoad]:
         """KV tiers: the loads the allocations since the last call took (empty without tiers)."""
+        ...
+
+    def take_block_exports(self) -> list[KVExport]:
+        """KV tiers: the blocks evicted or swapped out since the last call, to copy down before they are
+        overwritten (empty without tiers)."""
         ...
 
     def should_swap(self, req: KVRequest) -> bool:
@@ -170,8 +190,8 @@ class KVCacheCoordinatorProtocol(Protocol):
         ...
 
     def swap_out(self, req: KVRequest) -> None: ...
-    def compact_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
-        """Lossy eviction that closes up the table: keep only the full blocks at `keep` (one-group models)."""
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+        """KV eviction: keep only the full blocks at `keep`, the table closing up (one-group models)."""
         ...
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None: ...

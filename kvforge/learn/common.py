@@ -51,7 +51,7 @@ def model_label(engine: Any, model: str | None) -> str:
     import torch
 
     name = model or "SmolLM2-135M-Instruct (default)"
-    return f"{name}, {engine.config.model_config.dtype}, {engine.device}, {torch.get_num_threads()} threads, timed in {clock_label()}"
+    return f"{name}, {engine.config.model_options.dtype}, {engine.device}, {torch.get_num_threads()} threads, timed in {clock_label()}"
 
 
 def random_prompts(n: int, lengths: Sequence[int] | int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -55,7 +55,7 @@ def measure_batch(engine: Any, batch: int, prompt_len: int, decode_steps: int, s
     from kvforge.config import torch_dtype
 
     shape = ModelShape.from_config(engine.model_config)
-    elem = torch_dtype(engine.config.model_config.dtype).itemsize
+    elem = torch_dtype(engine.config.model_options.dtype).itemsize
     kv_per_token = ledger.kv_bytes_per_token(engine.model_config.kv_shape(), engine.cache_format, engine.kv.block_size)
     weights = weight_bytes_read(shape, elem)
     params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)

@@ -19,12 +19,12 @@ norm, no MoE. Anything else returns None and the model runs its Python layers.
 from __future__ import annotations
 
 import ctypes
-import os
 import weakref
 from pathlib import Path
 
 import torch
 
+from kvforge import envs
 from kvforge.attention import cpu_kernel
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.cpu_paged import kernel_views
@@ -121,7 +121,7 @@ class _Plan:
 
 
 def _enabled() -> bool:
-    return os.environ.get("KVFORGE_FUSED_LAYERS", "1") != "0"
+    return bool(envs.KVFORGE_FUSED_LAYERS)
 
 
 def _fns(dtype: torch.dtype) -> _Fns | None:

@@ -17,7 +17,7 @@ absorbed kv_b_proj) are left dense. A weight shared with another module (a
 tied lm_head: the embedding lookup needs the dense rows) gets a packed *copy*:
 extra bytes, counted in the start-up ledger's weights line, for the one matmul
 that runs every step over the whole vocabulary (measured 1.3x (fp32) and 1.6x
-(bf16) faster at 32 rows; `KVFORGE_PACK_SHARED=0` keeps it dense).
+(bf16) faster at 32 rows).
 `KVFORGE_ONEDNN_LINEAR=0` turns all of this off.
 
 `KVFORGE_LINEAR` picks the layout CPU weights are packed in (the tied lm_head
@@ -42,12 +42,12 @@ weights line) and stays for A/B runs.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvforge import envs
+from kvforge.envs import LINEAR_BACKENDS
 from kvforge.models.panel_linear import PanelWeight, pack_panels, panel_linear, panel_linear_silu_mul
 from kvforge.models.panel_linear import available as panel_kernel_available
 from kvforge.models.panel_linear import simd as panel_kernel_simd
@@ -56,7 +56,7 @@ from kvforge.models.quant_linear import QuantWeight, quant_linear
 
 
 def _onednn_linear_available() -> bool:
-    if os.environ.get("KVFORGE_ONEDNN_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
+    if not envs.KVFORGE_ONEDNN_LINEAR or not torch.backends.mkldnn.is_available():
         return False
     try:
         op = torch.ops.mkldnn._linear_pointwise
@@ -93,7 +93,6 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 PACKABLE_DTYPES = _packable_dtypes()
 
 
-LINEAR_BACKENDS = ("auto", "onednn", "panel", "both")
 
 # Rows per call up to which `both` runs the panel kernel (oneDNN above).
 PANEL_DECODE_ROWS = 4
@@ -108,10 +107,7 @@ def linear_backend() -> str:
 
 
 def requested_linear_backend() -> str:
-    backend = os.environ.get("KVFORGE_LINEAR", "auto").strip().lower() or "auto"
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"KVFORGE_LINEAR must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
-    return backend
+    return str(envs.KVFORGE_LINEAR)  # the registry checks it against LINEAR_BACKENDS
 
 
 def _panel_preferred() -> bool:
@@ -210,21 +206,15 @@ class Linear(nn.Linear):
         return True
 
 
-def pack_shared_enabled() -> bool:
-    return os.environ.get("KVFORGE_PACK_SHARED", "1") != "0"
-
-
 def pack_linear_weights(
-    model: nn.Module, batch_hint: int = PACK_BATCH_HINT, copy_shared: bool | None = None
+    model: nn.Module, batch_hint: int = PACK_BATCH_HINT, copy_shared: bool = True
 ) -> int:
     """Pack every `Linear` of `model`; returns how many were packed. A weight no other module holds
-    is packed in place; a shared one (tied lm_head) gets a packed copy when `copy_shared` (default:
-    unless KVFORGE_PACK_SHARED=0).
+    is packed in place; a shared one (tied lm_head) gets a packed copy when `copy_shared` (it pays: the
+    lm_head is the widest matmul of a step), else stays dense.
 
     Call after the model has its final dtype and device: a packed layer cannot be moved or cast.
     """
-    if copy_shared is None:
-        copy_shared = pack_shared_enabled()
     backend = linear_backend()
     owners: dict[int, int] = {}
     for module in model.modules():

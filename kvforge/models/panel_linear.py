@@ -21,12 +21,12 @@ kernels at every row count but the largest lm_head calls (within 5%).
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvforge import envs
 from kvforge.attention import cpu_kernel
 from kvforge.native import NativeLibrary
 
@@ -72,9 +72,7 @@ def _declare_bf16(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_bf16_amx.argtypes = []
     lib.kvf_panel_bf16_fma_faster.restype = _C
     lib.kvf_panel_bf16_fma_faster.argtypes = []
-    choice = os.environ.get("KVFORGE_BF16_GEMM", "auto")
-    if choice not in BF16_GEMM_MODES:
-        raise ValueError(f"KVFORGE_BF16_GEMM must be one of {', '.join(BF16_GEMM_MODES)}, got {choice!r}")
+    choice = str(envs.KVFORGE_BF16_GEMM)  # the registry checks it against BF16_GEMM_MODES
     if choice == "amx" and not lib.kvf_panel_bf16_amx():
         raise ValueError("KVFORGE_BF16_GEMM=amx, but AMX tiles cannot run here (the CPU or compiler lacks AMX-BF16, "
                          "or Linux refused the tile state); use auto, dot or fma")
@@ -204,16 +202,12 @@ def panel_linear(x: torch.Tensor, pw: PanelWeight, bias: torch.Tensor | None = N
     return y.view(*lead, pw.n)
 
 
-# KVFORGE_GATED_GEMM=0: a gated MLP's gate|up matmul and its SiLU-and-multiply stay two calls (A/B runs).
-GATED_GEMM = os.environ.get("KVFORGE_GATED_GEMM", "1") != "0"
-
-
 def panel_linear_silu_mul(x: torch.Tensor, pw: PanelWeight, num_threads: int | None = None) -> torch.Tensor | None:
     """silu(gate) * up of `x @ W^T` for a packed gate|up fp32 weight W [2I, K] (gate rows first), in one
     call that never writes the gate|up product out (`kvf_panel_linear_silu_mul`); bitwise what
     `panel_linear` then `fused.silu_mul` give. None where it cannot run (not fp32, I not a multiple of the
-    panel width, no AVX-512, KVFORGE_GATED_GEMM=0): the caller makes the two calls."""
-    if not GATED_GEMM or pw.dtype != torch.float32 or x.dtype != torch.float32 or x.device.type != "cpu":
+    panel width, no AVX-512): the caller makes the two calls."""
+    if pw.dtype != torch.float32 or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     lib = LIBRARY.load()
     if lib is None or pw.n % (2 * lib.kvf_panel_nr()) or x.shape[-1] != pw.k:

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.engine.engine import LLMEngine, StepFailed
+from kvforge.engine.engine import LLMEngine
+from kvforge.engine.errors import StepFailed
 from kvforge.engine.outputs import RequestOutput
 from kvforge.kv.utilization import measure_running
 from kvforge.server.metrics import ServerMetrics

@@ -2,16 +2,13 @@
 from __future__ import annotations
 
 import hmac
-import os
 
+from kvforge import envs
 from kvforge.server.protocol import APIError
-
-ENV_VAR = "KVFORGE_API_KEY"
-
 
 def resolve_api_key(cli_value: str | None) -> str | None:
     """The flag wins over the environment; an empty string means no key."""
-    key = cli_value if cli_value is not None else os.environ.get(ENV_VAR)
+    key = cli_value if cli_value is not None else envs.KVFORGE_API_KEY
     return key or None
 
 

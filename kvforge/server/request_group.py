@@ -9,13 +9,17 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from kvforge.server.async_engine import AsyncEngine
+
+class Aborts(Protocol):
+    """What a group needs of the engine loop (`AsyncEngine`): withdrawing its requests. A Protocol, so
+    this module does not import async_engine back."""
+
+    def abort(self, request_ids: list[str]) -> None: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -43,7 +47,7 @@ class SubRequest:
 class RequestGroup:
     """The outputs of the sub-requests of one API call, in step order, on the caller's loop."""
 
-    def __init__(self, engine: "AsyncEngine", subs: list[SubRequest]) -> None:
+    def __init__(self, engine: Aborts, subs: list[SubRequest]) -> None:
         self.engine = engine
         self.subs = subs
         self.index = {s.request_id: i for i, s in enumerate(subs)}

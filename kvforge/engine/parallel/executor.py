@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvforge.engine.engine import EngineFatal
+from kvforge.engine.errors import EngineFatal
 from kvforge.engine.model_runner import ModelRunner
 
 

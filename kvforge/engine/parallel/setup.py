@@ -1,15 +1,17 @@
 """Engine start-up under tensor parallelism: every rank allocates its caches, the ledger says per device.
 
 Kept apart from engine.py so the single-device path stays as it was; `LLMEngine` calls
-`init_tensor_parallel_caches` where it would otherwise allocate caches itself.
+`init_tensor_parallel_caches` where it would otherwise allocate caches itself. It takes values
+(the executor, the configs, each layer's block count), never the engine, so nothing here
+imports engine.py back.
 """
 from __future__ import annotations
 
-from typing import Any
-
-from kvforge.engine.parallel.executor import TensorParallelRunner
+from kvforge.config import ModelConfig
+from kvforge.engine.args import EngineConfig
+from kvforge.engine.parallel.executor import TensorParallelExecutor, TensorParallelRunner
 from kvforge.engine.startup_report import StartupReport, report_for
-from kvforge.ledger import KVGroup, KVShape, format_bytes, kv_bytes_for_groups, tensor_parallel_kv
+from kvforge.ledger import KVCacheFormat, KVGroup, KVShape, format_bytes, kv_bytes_for_groups, tensor_parallel_kv
 
 
 def tensor_parallel_rows(shape: KVShape, tp: int, device_bytes: int, max_model_len: int, block_size: int,
@@ -29,20 +31,23 @@ def tensor_parallel_rows(shape: KVShape, tp: int, device_bytes: int, max_model_l
     ]
 
 
-def init_tensor_parallel_caches(engine: Any, groups: list[KVGroup], layer_groups: list[int],
-                                max_model_len: int) -> tuple[TensorParallelRunner, StartupReport]:
-    """Every rank allocates its caches (its own KV heads); the runner that drives them; the per-device ledger."""
-    config, cfg, fmt = engine.config, engine.model_config, engine.cache_format
-    opts, block_size = config.model_config, config.cache_config.block_size
+def init_tensor_parallel_caches(
+    executor: TensorParallelExecutor, config: EngineConfig, cfg: ModelConfig, fmt: KVCacheFormat,
+    groups: list[KVGroup], layer_groups: list[int], per_layer: list[int], max_model_len: int,
+) -> tuple[TensorParallelRunner, StartupReport]:
+    """Every rank allocates its caches (its own KV heads); the runner that drives them; the per-device ledger.
+
+    `per_layer`: each layer's block count (its group's pool, the null block included).
+    """
+    opts, block_size = config.model_options, config.cache_config.block_size
     tp = config.parallel_config.tensor_parallel_size
     per_device = tensor_parallel_kv(cfg.kv_shape(), tp).per_device
-    per_layer = [engine.kv.pools[g].num_physical_blocks for g in layer_groups]  # each pool's null block included
-    allocated = engine.executor.call("caches", per_layer, layer_groups, fmt, block_size)
+    allocated = executor.call("caches", per_layer, layer_groups, fmt, block_size)
     expected = kv_bytes_for_groups(per_device, groups, block_size, fmt)
     if any(a != expected for a in allocated):
         raise RuntimeError(f"tensor-parallel ranks allocated {allocated} B of KV cache, the ledger says {expected} B")
-    runner = TensorParallelRunner(engine.executor, layer_groups, block_size, opts.seed, opts.attention_backend)
-    info = engine.executor.rank_info[0]
+    runner = TensorParallelRunner(executor, layer_groups, block_size, opts.seed, opts.attention_backend)
+    info = executor.rank_info[0]
     report = report_for(cfg, per_device, fmt, groups, block_size, max_model_len, allocated[0], config,
                         f"{info['device']} x {tp}", info["weights_bytes"], f"{info['linear']} (per rank)")
     report.parallel = tensor_parallel_rows(cfg.kv_shape(), tp, allocated[0], max_model_len, block_size,

@@ -50,7 +50,7 @@ class _Rank:
         from kvforge.models.loader import load_checkpoint
         from kvforge.models.registry import build_model
 
-        opts = config.model_config  # dtype already resolved by the engine ("auto" never reaches a rank)
+        opts = config.model_options  # dtype already resolved by the engine ("auto" never reaches a rank)
         self.rank, self.world, self.device = rank, world, device
         checkpoint = load_checkpoint(opts.model)
         self.cfg = ModelConfig.from_hf(checkpoint.hf_config)
@@ -111,7 +111,7 @@ def worker_main(rank: int, world: int, master_addr: str, port: int, config: Any,
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback unless the deployment says otherwise
     try:
-        use_cuda = str(config.model_config.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+        use_cuda = str(config.model_options.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
         if use_cuda:
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)

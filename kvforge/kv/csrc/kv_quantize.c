@@ -21,14 +21,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kvf_bf16.h"
+#include "kvf_omp.h"
+
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int code) {
     if (code == 0) return ((const float *)p)[i];
-    if (code == 1) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
+    if (code == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
     return (float)((const _Float16 *)p)[i];
 }
 

@@ -1,23 +1,24 @@
 """KVTiers: the host and disk tiers behind one object the KV coordinator and the model runner share.
 
-The coordinator (pure Python) talks to it in block terms: `on_evict` queues a
-device block the pool just evicted, `lookup` continues a prefix lookup that
-missed the device, `acquire` turns a hit into a `KVLoad` into a fresh device
-block (it travels to the runner in `SchedulerOutput.block_loads`), `swap_out`
-queues a preempted request's blocks. The model runner calls `sync(mover, loads)`
-before each forward pass: queued exports run first (an evicted block's bytes are
-read before its new owner overwrites them), then the loads. Tiers
+The coordinator (pure Python) talks to it in block terms: `lookup` continues a
+prefix lookup that missed the device, `acquire` turns a hit into a `KVLoad` into
+a fresh device block. What goes down to the tiers (a block the pool evicted, a
+preempted request's blocks) the coordinator records as `KVExport`s. Both travel
+to the runner in `SchedulerOutput` (`block_exports`, `block_loads`), and the
+runner calls `sync(mover, exports, loads)` before each forward pass: the exports
+run first (an evicted block's bytes are read before its new owner overwrites
+them), then the loads. Tiers
 are inclusive: an evicted block goes to every tier; hits are served by the
 fastest tier that has it. No torch here: bytes move through the `BlockMover`.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvforge.kv.interface import KVLoad
+from kvforge.kv.interface import KVExport, KVLoad
 from kvforge.kv.tiers.cost import SwapCost
 from kvforge.kv.tiers.keys import tier_key
 from kvforge.kv.tiers.stats import TierStats
@@ -47,7 +48,6 @@ class KVTiers:
         self.copy_bytes_per_s: float | None = None  # measured device <-> host round trip
         self.disk_bytes_per_s: float | None = None  # measured read + verify of a probe file
         self.stats = {t.name: TierStats(t.name) for t in self.tiers}
-        self.pending_exports: list[tuple[int, bytes, tuple[int, ...], bool]] = []  # (block, hash, tokens, swap)
         self.acquired: dict[bytes, tuple[TierHit, int]] = {}  # tier key -> (hit, pending loads of it)
         self.traces: dict[str, dict[str, list[int]]] = {}  # request id -> tier -> [queried, hit] blocks
 
@@ -60,9 +60,6 @@ class KVTiers:
         return [t.name for t in self.tiers]
 
     # ---- manager side (pure bookkeeping) -------------------------------------------------------
-    def on_evict(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        self.pending_exports.append((block_id, block_hash, token_ids, False))
-
     def lookup(self, request_id: str, block_hash: bytes, token_ids: Sequence[int]) -> TierHit | None:
         """The fastest tier holding this block under this namespace, with its token ids confirmed."""
         key, tokens = tier_key(self.namespace, block_hash), tuple(token_ids)
@@ -111,28 +108,23 @@ class KVTiers:
             return self.preemption_mode == "swap"
         return self.swap_cost.prefers_swap(num_blocks)
 
-    def swap_out(self, blocks: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> None:
-        for block_id, block_hash, tokens in blocks:
-            self.pending_exports.append((block_id, block_hash, tokens, True))
-
     # ---- runner side (moves bytes) -------------------------------------------------------------
-    def sync(self, mover: Any, loads: Sequence[KVLoad] = ()) -> None:
-        """Run queued exports, then `loads` (an evicted block is read before its new owner overwrites it)."""
-        if self.pending_exports:
-            self._export(mover)
+    def sync(self, mover: Any, exports: Sequence[KVExport] = (), loads: Sequence[KVLoad] = ()) -> None:
+        """Run `exports`, then `loads` (an evicted block is read before its new owner overwrites it)."""
+        if exports:
+            self._export(mover, exports)
         if loads:
             self._load(mover, loads)
 
-    def _export(self, mover: Any) -> None:
+    def _export(self, mover: Any, exports: Sequence[KVExport]) -> None:
         jobs, seen = [], set()
-        for block_id, block_hash, tokens, swap in self.pending_exports:
-            key = tier_key(self.namespace, block_hash)
+        for e in exports:
+            key = tier_key(self.namespace, e.block_hash)
             to_host = self.host is not None and not self.host.contains(key)
-            to_disk = self.disk is not None and not swap and not self.disk.contains(key)
+            to_disk = self.disk is not None and not e.swap and not self.disk.contains(key)
             if (to_host or to_disk) and key not in seen:
                 seen.add(key)
-                jobs.append((block_id, key, tokens, to_host, to_disk, swap))
-        self.pending_exports.clear()
+                jobs.append((e.block_id, key, e.token_ids, to_host, to_disk, e.swap))
         if not jobs:
             return
         rows = mover.export([j[0] for j in jobs])
@@ -185,11 +177,9 @@ class KVTiers:
             out[tier.name] = {**st.as_dict(), "used_bytes": tier.used, "capacity_bytes": tier.capacity}
         return out
 
-    def flush(self, mover: Any, cached: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> None:
-        """Write the device's cached blocks to the tiers and wait for the disk (shutdown, restart)."""
-        for block_id, block_hash, tokens in cached:
-            self.pending_exports.append((block_id, block_hash, tokens, False))
-        self.sync(mover)
+    def flush(self, mover: Any, exports: Sequence[KVExport]) -> None:
+        """Write `exports` (the device's cached blocks) to the tiers and wait for the disk (shutdown, restart)."""
+        self.sync(mover, exports)
         if self.disk is not None:
             self.disk.flush()
 

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvf_bf16.h"
+
 typedef void (*linear_fn)(const void *x, int64_t M, int64_t K, const void *wp, int64_t N, const void *bias, void *y,
                           int nthreads);
 typedef void (*rms_norm_fn)(const void *x, int64_t x_stride, const void *w, void *out, int64_t T, int64_t D,
@@ -56,21 +58,6 @@ typedef struct {
     kvf_write k_write, v_write;           /* the same pools, [NB, BS, HKV, D], as the writes see them */
     int64_t window;                       /* sliding window (0: none) */
 } kvf_layer;
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* x += y elementwise, rounded to the compute dtype like torch's `x + y`. */
 static void residual_add(void *x, const void *y, int64_t n, int code) {

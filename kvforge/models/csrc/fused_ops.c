@@ -17,27 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
-float expf(float) __attribute__((simd("notinbranch")));
-
-/* Unions, not memcpy: the vectoriser gives up on loops that contain memcpy. */
-typedef union {
-    uint32_t u;
-    float f;
-} bits32;
-
-static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t x) {
-    bits32 b;
-    b.u = (uint32_t)x << 16;
-    return b.f;
-}
-
-static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
-    bits32 b;
-    b.f = f;
-    const uint32_t rounded = (b.u + 0x7FFFu + ((b.u >> 16) & 1u)) >> 16; /* nearest even, as torch rounds */
-    const uint32_t nan = (b.u >> 16) | 0x40u;                            /* a NaN stays a NaN */
-    return (uint16_t)((b.u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
-}
+#include "kvf_bf16.h"
+#include "kvf_omp.h"
 
 static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int code) {
     if (code == 0) return ((const float *)p)[i];

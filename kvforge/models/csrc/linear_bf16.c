@@ -25,9 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "kvf_amx.h"
+#include "kvf_bf16.h"
+#include "kvf_omp.h"
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define KVF_SIMD 1
@@ -35,9 +36,7 @@
 #define KVF_SIMD 0
 #endif
 /* AMX (Sapphire Rapids and later Xeons) where the compiler targets it: see amx_gemm below. */
-#if KVF_SIMD && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && !defined(KVF_NO_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
+#if KVF_SIMD && KVF_AMX_BUILT && !defined(KVF_NO_AMX)
 #define KVF_AMX 1
 #else
 #define KVF_AMX 0
@@ -48,21 +47,6 @@
 
 int kvf_panel_bf16_nr(void) { return NR; }
 int kvf_panel_bf16_simd(void) { return KVF_SIMD; }
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* One tile: `mr` rows of x (padded to K2 pairs, as uint32 pairs) against one panel -> fp32 out[mr][NR]. */
 #if KVF_SIMD
@@ -299,25 +283,10 @@ static int measured_mode(void) {
  * tiles to fp32 rounding, not bit for bit. Linux grants the tile state per process
  * (arch_prctl ARCH_REQ_XCOMP_PERM); where it refuses, the vector tiles run. */
 #define AMX_MC 256
-/* The tile configuration and the permission request are the same few lines as paged_decode.c's (each
- * source builds alone into its own library, cached by its own hash, so no shared header). */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) amx_config;
-
-static int amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
-
+/* The tile configuration and the permission request: kvf_amx.h (shared with the attention prefill). */
 static void amx_configure(void) {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    kvf_amx_config cfg;
+    kvf_amx_config_full(&cfg);
     _tile_loadconfig(&cfg);
 }
 
@@ -396,7 +365,7 @@ static void amx_gemm(const uint32_t *x, int64_t M, int64_t K2, const uint16_t *w
 /* 1 where the AMX tiles can run here (built for AMX, and Linux granted the tile state). */
 int kvf_panel_bf16_amx(void) {
 #if KVF_AMX
-    return amx_permitted();
+    return kvf_amx_permitted();
 #else
     return 0;
 #endif

@@ -18,9 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+
+#include "kvf_omp.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVF_SIMD 1
@@ -28,9 +27,8 @@
 #define KVF_SIMD 0
 #endif
 
-/* The gated epilogue's exp: glibc's vector expf (libmvec) under `omp simd`, as fused_ops.c's SiLU calls it,
- * without -ffast-math (which would set flush-to-zero for the whole process on load). */
-float expf(float) __attribute__((simd("notinbranch")));
+/* The gated epilogue's exp is libmvec's vector expf under `omp simd`, as fused_ops.c's SiLU calls it
+ * (kvf_omp.h). */
 
 #define NR 16 /* output columns per panel: two 8-float AVX2 registers */
 #define MR 6  /* rows per GEMM microkernel tile: 12 accumulators + 2 weight + 1 broadcast registers */
