@@ -32,6 +32,8 @@
 #include <omp.h>
 #endif
 
+#include "kvf_bf16.h" /* bf16_to_f32, f32_to_bf16: the one rounding every kernel shares */
+
 #define NR 16
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -123,21 +125,6 @@ INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
 #ifndef DECODE_ROWS
 #define DECODE_ROWS 8
 #endif
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* What every path needs to know about the weight. */
 typedef struct {
