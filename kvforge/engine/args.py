@@ -168,7 +168,7 @@ class EngineConfig:
                                  "tensor_parallel_size > 1 (use token, head or channel)")
             if self.tier_config.enabled or self.eviction_config.kv_eviction != "none":
                 raise ValueError("tensor_parallel_size > 1 cannot be combined with KV tiers or kv_eviction yet")
-            if self.model_config.quantization is not None:
+            if self.model_options.quantization is not None:
                 raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet")
 
     @classmethod
