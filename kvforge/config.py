@@ -30,6 +30,9 @@ class DefaultBytes(int):
 KV_CACHE_DTYPES = KV_FORMAT_DTYPES + tuple(KV_DTYPE_ALIASES)
 KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # canonical names ("fp8" is an alias of fp8_e4m3)
 KV_CACHE_SCALES = KV_SCALE_GRANULARITIES
+# weight-only quantization of the linear layers at load (kvforge/models/weight_quant.py); int4 group sizes along K
+WEIGHT_QUANTIZATIONS = ("int8", "int4", "gguf")  # gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K codes
+INT4_GROUP_SIZES = (32, 64, 128)
 KV_ALLOCATIONS = ("paged", "contiguous")  # contiguous: reserve max_model_len slots per sequence (kv/contiguous.py)
 
 

@@ -25,12 +25,13 @@ COMMANDS: dict[str, str] = {
     "learn prefill-vs-decode": "kvforge.commands.learn_prefill_vs_decode",
     "learn paging": "kvforge.commands.learn_paging",
     "eval kv-evict": "kvforge.commands.eval_evict",
+    "eval weights": "kvforge.commands.eval_weights",
     "top": "kvforge.commands.top",
 }
 
 GROUPS: dict[str, str] = {
     "bench": "benchmarks (serve: load-test an OpenAI-compatible server)",
     "cache": "prefix-cache tools (explain a miss)",
-    "eval": "quality evaluations (kv-quant: KV-cache quantization; kv-evict: KV eviction)",
+    "eval": "quality evaluations (kv-quant: KV-cache quantization; kv-evict: KV eviction; weights: int8/int4 weights)",
     "learn": "runnable, measured lessons: why-cache, prefill-vs-decode, paging (kvforge/learn/)",
 }

@@ -18,7 +18,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.config import ATTENTION_BACKENDS, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig
+from kvforge.config import (
+    ATTENTION_BACKENDS, INT4_GROUP_SIZES, SUPPORTED_DTYPES, WEIGHT_QUANTIZATIONS, CacheConfig, SchedulerConfig,
+)
 from kvforge.flags import add_dataclass_flags, flag_errors, flags_of, option, values_for
 from kvforge.engine.sampling_params import SEED_MAX
 from kvforge.kv.tiers.cost import PREEMPTION_MODES
@@ -42,6 +44,11 @@ class ModelOptions:
         "sdpa = PyTorch fused kernels; torch = reference implementation; triton = in-place Triton kernels "
         "(the auto choice on CUDA)", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = option(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+    quantization: str | None = option(
+        None, "weight-only quantization of the linear layers at load (CPU): int8 = per output channel, "
+        "int4 = groups along K (--quantization-group-size), gguf = a .gguf file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
+        "codes; activations stay in --dtype", choices=WEIGHT_QUANTIZATIONS)
+    quantization_group_size: int = option(32, "int4: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *SUPPORTED_DTYPES):
@@ -53,6 +60,16 @@ class ModelOptions:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {self.attention_backend!r}")
+        if self.quantization is not None and self.quantization not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "
+                             f"got {self.quantization_group_size!r}")
+        if self.quantization == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' keeps a .gguf file's codes; model {self.model!r} is not a .gguf")
+        if self.quantization is not None and self.device not in (None, "cpu"):
+            raise ValueError(f"quantization={self.quantization!r} runs on CPU kernels; device must be cpu, "
+                             f"got {self.device!r}")
         if self.attention_backend == "cpu":  # can it build here? (imports torch: only when asked for)
             from kvforge.attention import check_backend
 
@@ -153,6 +170,8 @@ class EngineConfig:
                                  "tensor_parallel_size > 1 (use token, head or channel)")
             if self.tier_config.enabled or self.eviction_config.kv_eviction != "none":
                 raise ValueError("tensor_parallel_size > 1 cannot be combined with KV tiers or kv_eviction yet")
+            if self.model_options.quantization is not None:
+                raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet")
 
     @classmethod
     def create(cls, **options: Any) -> "EngineConfig":

@@ -38,6 +38,7 @@ from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
+from kvforge.models.weight_quant import quantize_model
 from kvforge.progress import StageProgress
 
 
@@ -59,6 +60,9 @@ class LLMEngine:
         self.config = config
         opts = config.model_options
         stages = ["reading weights", "building model", "packing linear layers"]
+        if opts.quantization:
+            stages.insert(2, "attaching the GGUF file's codes" if opts.quantization == "gguf"
+                          else f"quantizing linear layers to {opts.quantization}")
         with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
             checkpoint = load_checkpoint(opts.model)
             p.next()
@@ -77,14 +81,18 @@ class LLMEngine:
                 self.model = None
                 self.model_fingerprint = None  # KV tiers are refused with tensor parallelism (EngineConfig)
                 self.executor = TensorParallelExecutor(config, self.model_config)  # ranks build, shard and pack
-                p.next()
-                p.next()
+                for _ in stages[1:]:
+                    p.next()
             else:
                 model = build_model(self.model_config)
                 model.load_weights(checkpoint.weights)
+                path = checkpoint.path
                 del checkpoint
                 self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
                 p.next()
+                if opts.quantization:  # int8 / int4 codes replace the linear weights (models/weight_quant.py)
+                    quantize_model(self.model, opts.quantization, opts.quantization_group_size, self.device, path)
+                    p.next()
                 from kvforge.kv.tiers.setup import model_fingerprint
 
                 self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing

@@ -12,8 +12,10 @@ import torch
 from kvforge import envs
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
-from kvforge.models.linear import PANEL_DECODE_ROWS
+from kvforge.models.linear import PANEL_DECODE_ROWS, Linear
+from kvforge.models import weight_quant
 from kvforge.models.panel_linear import bf16_gemm_mode
+from kvforge.models.quant_linear import simd_level
 from kvforge.engine.args import EngineConfig
 from kvforge.ledger import (
     QUANTIZED_DTYPES,
@@ -55,6 +57,7 @@ class StartupReport:
     kv_eviction: str = "none"
     kv_budget: int | None = None
     environment: list[tuple[str, str]] = field(default_factory=list)  # KVFORGE_* variables set (kvforge.envs)
+    weights_format: str = ""  # quantization=: the linear layers' weight formats (models/weight_quant.describe)
 
     @property
     def max_concurrency_evicting(self) -> float:
@@ -75,7 +78,7 @@ class StartupReport:
         rows = [
             ("model", f"{self.model} ({self.architecture}, {self.dtype}, {self.device})"),
             *((("dtype", f"{self.dtype} ({self.dtype_reason})"),) if self.dtype_reason else ()),
-            ("weights", format_bytes(self.weights_bytes)),
+            ("weights", format_bytes(self.weights_bytes) + (f" ({self.weights_format})" if self.weights_format else "")),
             ("kv cache dtype", self.kv_dtype),
             ("kv bytes per token", f"{format_bytes(self.kv_bytes_per_token)} (all layers)"),
             ("kv block", f"{self.block_size} tokens = {format_bytes(self.kv_bytes_per_block)}"),
@@ -131,8 +134,10 @@ def build_startup_report(
     expected = kv_bytes_for_groups(cfg.kv_shape(), groups, block_size, fmt)
     assert allocated == expected, f"cache allocated {allocated} B, ledger says {expected} B"
     device = next(model.parameters()).device
-    return report_for(cfg, cfg.kv_shape(), fmt, groups, block_size, max_model_len, allocated, config, str(device),
-                      weights_bytes(model), _describe_linear(model))
+    report = report_for(cfg, cfg.kv_shape(), fmt, groups, block_size, max_model_len, allocated, config, str(device),
+                        weights_bytes(model), _describe_linear(model))
+    report.weights_format = weight_quant.describe(model) or ""
+    return report
 
 
 def report_for(
@@ -173,6 +178,14 @@ def report_for(
 
 
 def _describe_linear(model: torch.nn.Module) -> str:
+    quantized = [m for m in model.modules() if isinstance(m, Linear) and m.quant_weight is not None]
+    if quantized:  # int8 / int4 codes: the kernel of csrc/linear_quant.c, the rest as below
+        rest = _describe_linear_packed(model)
+        return f"kvforge int8/int4 kernel ({simd_level()}) for {len(quantized)} weights; others: {rest}"
+    return _describe_linear_packed(model)
+
+
+def _describe_linear_packed(model: torch.nn.Module) -> str:
     packed = [m for m in model.modules() if getattr(m, "packed_weight", None) is not None]
     if not packed:
         return "torch"

@@ -52,6 +52,7 @@ from kvforge.models.panel_linear import PanelWeight, pack_panels, panel_linear, 
 from kvforge.models.panel_linear import available as panel_kernel_available
 from kvforge.models.panel_linear import simd as panel_kernel_simd
 from kvforge.models.panel_linear import unavailable_reason as panel_unavailable_reason
+from kvforge.models.quant_linear import QuantWeight, quant_linear
 
 
 def _onednn_linear_available() -> bool:
@@ -137,6 +138,7 @@ class Linear(nn.Linear):
     packed_nbytes = 0  # bytes held outside parameters(): the packed layout(s), or the packed copy
     packed_copy = False  # True: the dense weight stays (shared), packed_nbytes are extra bytes
     keep_dense = False  # set by models that read this weight directly (e.g. MLA absorption)
+    quant_weight: QuantWeight | None = None  # int8 / int4 codes (`quantization=`, models/weight_quant.py)
 
     @property
     def packed_weight(self) -> torch.Tensor | None:
@@ -147,7 +149,9 @@ class Linear(nn.Linear):
 
     @property
     def decode_nbytes(self) -> int:
-        """Weight bytes one decode step (a few rows) reads: the panel layout where there is one."""
+        """Weight bytes one decode step (a few rows) reads: the codes, or the panel layout where there is one."""
+        if self.quant_weight is not None:
+            return self.quant_weight.nbytes
         if self.panel_weight is not None:
             return self.panel_weight.nbytes
         if self.onednn_weight is not None:
@@ -162,6 +166,8 @@ class Linear(nn.Linear):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is not None:
+            return quant_linear(x, self.quant_weight, self.bias)
         pw = self._panel_for(x)
         if pw is not None:
             return panel_linear(x, pw, self.bias)
@@ -182,7 +188,7 @@ class Linear(nn.Linear):
         (`KVFORGE_LINEAR=panel`), or both (`both`); with `keep_dense_copy` add them beside the dense
         weight. False if not applicable."""
         w = self.weight
-        if self.keep_dense or w.device.type != "cpu":
+        if self.keep_dense or w.device.type != "cpu" or self.quant_weight is not None:
             return False
         backend = backend or linear_backend()
         self.panel_weight = _panel_layout_for(w, backend)

@@ -1,0 +1,78 @@
+"""`kvforge eval weights`: perplexity of each weight format (none, int8, int4) against the unquantized model.
+
+Each format is one engine load (quantized at load, as `--quantization` does) scored on the same
+windows of CPython's documentation; the table gives perplexity per context, its change against the
+first format, and the mean next-token KL divergence from it.
+
+Example:
+  kvforge eval weights                                    # default model, bf16 activations, none,int8,int4
+  kvforge eval weights --formats none,int8 --dtype float32 --contexts 512,1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from kvforge.config import INT4_GROUP_SIZES, SUPPORTED_DTYPES
+from kvforge.flags import flag_errors
+
+HELP = "quality cost of each weight format (perplexity and KL of int8 / int4 weights vs unquantized)"
+_FLAGS = {"dtype": "--dtype", "device": "--device", "model": "--model",
+          "quantization_group_size": "--quantization-group-size"}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--contexts expects comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError("--contexts needs integers >= 2")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvforge.evaluation.weight_quant_eval import WEIGHT_FORMAT_NAMES
+
+    p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="bfloat16", choices=SUPPORTED_DTYPES, help="model (activation) dtype")
+    p.add_argument("--device", default=None, help="cpu (the int8/int4 kernels are CPU kernels)")
+    p.add_argument("--formats", default=",".join(WEIGHT_FORMAT_NAMES),
+                   help="comma-separated weight formats, the first is the reference (none = unquantized)")
+    p.add_argument("--quantization-group-size", type=int, default=32, choices=INT4_GROUP_SIZES,
+                   help="int4: weights per scale along K")
+    p.add_argument("--contexts", type=_ints, default=(512, 1024), help="perplexity context lengths")
+    p.add_argument("--windows", type=int, default=1, help="text windows scored per context length")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvforge.engine.args import EngineArgs
+    from kvforge.engine.engine import LLMEngine
+    from kvforge.evaluation.weight_quant_eval import WEIGHT_FORMAT_NAMES, render_weight_table, run_weight_eval
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    bad = [f for f in formats if f not in WEIGHT_FORMAT_NAMES]
+    if bad or not formats:
+        raise ValueError(f"--formats takes {', '.join(WEIGHT_FORMAT_NAMES)}, got {args.formats!r}")
+    if args.windows < 1:
+        raise ValueError("--windows must be >= 1")
+    tokens = max(args.contexts)
+    with flag_errors(_FLAGS):  # every option checked before the first load
+        EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+                   quantization_group_size=args.quantization_group_size)
+
+    def make_engine(quantization: str | None) -> LLMEngine:
+        with flag_errors(_FLAGS):
+            return LLMEngine(EngineArgs(
+                model=args.model, dtype=args.dtype, device=args.device, quantization=quantization,
+                quantization_group_size=args.quantization_group_size, num_kv_blocks=-(-tokens // 16) + 2,
+                max_num_batched_tokens=max(2048, tokens), enable_prefix_caching=False, log_ledger=False))
+
+    rows = run_weight_eval(make_engine, formats, tuple(args.contexts), args.windows)
+    model = args.model or "SmolLM2-135M-Instruct (default)"
+    if args.json:
+        print(json.dumps({"model": model, "dtype": args.dtype, "rows": [r.to_dict() for r in rows]}, indent=2))
+    else:
+        print(render_weight_table(rows, model, args.dtype))
+    return 0

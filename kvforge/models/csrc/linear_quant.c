@@ -1,0 +1,379 @@
+/* Weight-only int8 / int4 linear layers: y[M,N] = x[M,K] @ W^T (+ bias), W held as codes and fp32 scales
+ * (kvforge/models/quant_linear.py packs them).
+ *
+ * Why: a decode step reads every weight once, so its speed is bytes per token over memory bandwidth; bf16
+ * decode of a 1B model already runs at the machine's read bandwidth. int8 codes halve the bytes, int4
+ * codes quarter them. The codes are turned into fp32 in registers and multiplied with fp32 activations, so
+ * the only error is the weights' own quantization: each dequantized weight is code x scale (+ offset)
+ * rounded once to fp32, exactly the value a dequantize-then-matmul reference multiplies, and the sums
+ * differ from it only in the order of their fp32 additions.
+ *
+ * Layout (N padded to whole panels of NR = 16 output columns, Np = panels x 16):
+ *   int8: codes [panels][K][16] int8; one k of a panel is 16 bytes, a cache line holds 4 k.
+ *   int4: codes [panels][K2 = ceil(K/2)][16] bytes; byte j of pair kp holds column j's k = 2kp in its low
+ *         nibble and k = 2kp + 1 in its high nibble, unsigned u in [0, 15] (an odd K pads a zero code).
+ *   scales [groups][Np] fp32, groups of `group` consecutive k (the last may be short); int8 per output
+ *   channel is group = K. int4 also has offsets [groups][Np]: w = u x scale + offset (symmetric formats
+ *   store offset = -8 x scale, which is exact, so w = (u - 8) x scale rounded once).
+ *
+ * Two paths, both splitting the panels statically over the threads (one sequential stream each):
+ *   decode rows (M <= DECODE_ROWS): each group of panels is read once and its codes widened in registers
+ *   for all rows at once (int8: widen, convert, scale; int4: widen, two table lookups `vpermps` that
+ *   turn each nibble into its float without a mask or a convert, then one FMA with scale and offset);
+ *   more rows: a panel group's weights are dequantized once into an fp32 scratch that stays in L2, and
+ *   register-blocked tiles of rows run fp32 FMAs over it (each weight decoded once per call).
+ *
+ * AVX-512F where the compiler targets it, else AVX2 + FMA, else plain C over the same layout.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kvf_bf16.h" /* bf16_to_f32, f32_to_bf16: the one rounding every kernel shares */
+
+#define NR 16
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KVF_SIMD 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVF_SIMD 1
+#else
+#define KVF_SIMD 0
+#endif
+
+int kvf_qlinear_nr(void) { return NR; }
+/* 2: AVX-512, 1: AVX2 + FMA, 0: plain C. */
+int kvf_qlinear_simd(void) { return KVF_SIMD; }
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- 16 fp32 lanes: one zmm, two ymm, or a plain array ---- */
+#if KVF_SIMD == 2
+typedef __m512 v16;
+INLINE v16 v_zero(void) { return _mm512_setzero_ps(); }
+INLINE v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+INLINE v16 v_fma_s(float a, v16 b, v16 c) { return _mm512_fmadd_ps(_mm512_set1_ps(a), b, c); }
+INLINE v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+INLINE v16 v_from_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* 16 bytes of nibble pairs -> the low and the high nibbles as floats: vpermps reads only the low 4 bits
+ * of each index, so a table of 0..15 converts a nibble without masking it. */
+INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_permutexvar_ps(v, table);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+}
+#define GM 8 /* GEMM tile: 8 rows x 3 panels = 24 accumulators */
+#define GP 3
+#elif KVF_SIMD == 1
+typedef struct {
+    __m256 a, b;
+} v16;
+INLINE v16 v_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+INLINE v16 v_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+INLINE void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
+INLINE v16 v_fma_s(float a, v16 b, v16 c) {
+    const __m256 s = _mm256_set1_ps(a);
+    return (v16){_mm256_fmadd_ps(s, b.a, c.a), _mm256_fmadd_ps(s, b.b, c.b)};
+}
+INLINE v16 v_fma(v16 a, v16 b, v16 c) { return (v16){_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)}; }
+INLINE v16 v_mul(v16 a, v16 b) { return (v16){_mm256_mul_ps(a.a, b.a), _mm256_mul_ps(a.b, b.b)}; }
+INLINE v16 v_add(v16 a, v16 b) { return (v16){_mm256_add_ps(a.a, b.a), _mm256_add_ps(a.b, b.b)}; }
+INLINE v16 v_from_i8(const int8_t *p) {
+    return (v16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
+                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))))};
+}
+INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+    const __m256i m = _mm256_set1_epi32(15);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    *lo = (v16){_mm256_cvtepi32_ps(_mm256_and_si256(a, m)), _mm256_cvtepi32_ps(_mm256_and_si256(b, m))};
+    *hi = (v16){_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+}
+#define GM 4 /* 16 ymm: 4 rows x 1 panel = 8 accumulators, 2 weights, 1 broadcast */
+#define GP 1
+#else
+typedef struct {
+    float f[NR];
+} v16;
+INLINE v16 v_zero(void) { v16 v; memset(&v, 0, sizeof v); return v; }
+INLINE v16 v_load(const float *p) { v16 v; memcpy(v.f, p, sizeof v.f); return v; }
+INLINE void v_store(float *p, v16 v) { memcpy(p, v.f, sizeof v.f); }
+INLINE v16 v_fma_s(float a, v16 b, v16 c) { for (int j = 0; j < NR; j++) c.f[j] += a * b.f[j]; return c; }
+INLINE v16 v_fma(v16 a, v16 b, v16 c) { for (int j = 0; j < NR; j++) c.f[j] += a.f[j] * b.f[j]; return c; }
+INLINE v16 v_mul(v16 a, v16 b) { for (int j = 0; j < NR; j++) a.f[j] *= b.f[j]; return a; }
+INLINE v16 v_add(v16 a, v16 b) { for (int j = 0; j < NR; j++) a.f[j] += b.f[j]; return a; }
+INLINE v16 v_from_i8(const int8_t *p) { v16 v; for (int j = 0; j < NR; j++) v.f[j] = (float)p[j]; return v; }
+INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
+    for (int j = 0; j < NR; j++) lo->f[j] = (float)(p[j] & 15), hi->f[j] = (float)(p[j] >> 4);
+}
+#define GM 4
+#define GP 1
+#endif
+
+#define DR 4 /* decode tile: up to 4 rows x up to 4 panels (2 panels from 3 rows) */
+#define DP 4
+#ifndef DECODE_ROWS
+#define DECODE_ROWS 8
+#endif
+
+/* What every path needs to know about the weight. */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales, *offsets; /* [groups][Np]; offsets int4 only */
+    int64_t K, Kp, N, Np, group, pstride; /* Kp: K rounded up to even for int4; pstride: bytes per panel */
+    int bits;
+} qweight;
+
+/* Rows of out (fp32, [mr][np*16] tile) + bias, written to y (fp32 or bf16) for the valid columns. */
+INLINE void write_rows(const float *tile, int mr, int np, void *y, int y_bf16, int64_t N, int64_t n0,
+                       const float *bias) {
+    const int64_t nv = N - n0 < np * NR ? N - n0 : np * NR;
+    for (int r = 0; r < mr; r++) {
+        const float *t = tile + r * np * NR;
+        if (y_bf16) {
+            uint16_t *yr = (uint16_t *)y + r * N + n0;
+            for (int64_t j = 0; j < nv; j++) yr[j] = f32_to_bf16(bias ? t[j] + bias[n0 + j] : t[j]);
+        } else {
+            float *yr = (float *)y + r * N + n0;
+            for (int64_t j = 0; j < nv; j++) yr[j] = bias ? t[j] + bias[n0 + j] : t[j];
+        }
+    }
+}
+
+/* Decode rows: `mr` rows of xf (fp32, row stride Kp) against panels p..p+np-1, codes widened in registers.
+ * Per group, each (row, panel) sums x x code (int4: the nibble, even and odd k in two accumulators, which
+ * doubles the independent FMA chains), then adds scale x that sum (+ offset x the group's sum of x,
+ * `xsum`, for int4): sum_k x_k (u_k s + o) = s sum_k x_k u_k + o sum_k x_k. One multiply per group and
+ * column instead of one per weight; the same weights as code x scale (+ offset), summed in another order. */
+INLINE void decode_tile(const float *xf, int64_t ldx, const qweight *w, int64_t p, int mr, int np, const int bits,
+                        const float *xsum, int64_t ngroups, float *tile) {
+    v16 tot[DR][DP];
+    for (int r = 0; r < DR; r++)
+        for (int q = 0; q < DP; q++) tot[r][q] = v_zero();
+    const int64_t K = w->K, G = w->group;
+    const uint8_t *base = w->codes + p * w->pstride;
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) {
+        const int64_t k1 = k0 + G < K ? k0 + G : K;
+        v16 acc[DR][DP], odd[DR][DP];
+        for (int r = 0; r < DR; r++)
+            for (int q = 0; q < DP; q++) acc[r][q] = odd[r][q] = v_zero();
+        if (bits == 8) {
+            for (int64_t k = k0; k < k1; k++) {
+#pragma GCC unroll 4
+                for (int q = 0; q < np; q++) {
+                    const v16 wv = v_from_i8((const int8_t *)base + q * w->pstride + k * NR);
+#pragma GCC unroll 4
+                    for (int r = 0; r < mr; r++) acc[r][q] = v_fma_s(xf[r * ldx + k], wv, acc[r][q]);
+                }
+            }
+        } else {
+            for (int64_t k = k0; k < k1; k += 2) { /* groups are even, so a pair never straddles two */
+#pragma GCC unroll 4
+                for (int q = 0; q < np; q++) {
+                    v16 lo, hi;
+                    v_from_u4(base + q * w->pstride + (k / 2) * NR, &lo, &hi);
+#pragma GCC unroll 4
+                    for (int r = 0; r < mr; r++) {
+                        acc[r][q] = v_fma_s(xf[r * ldx + k], lo, acc[r][q]);
+                        odd[r][q] = v_fma_s(xf[r * ldx + k + 1], hi, odd[r][q]);
+                    }
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < np; q++) {
+            const v16 sc = v_load(w->scales + g * w->Np + (p + q) * NR);
+            if (bits == 8) {
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) tot[r][q] = v_fma(acc[r][q], sc, tot[r][q]);
+            } else {
+                const v16 of = v_load(w->offsets + g * w->Np + (p + q) * NR);
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) {
+                    tot[r][q] = v_fma(v_add(acc[r][q], odd[r][q]), sc, tot[r][q]);
+                    tot[r][q] = v_fma_s(xsum[r * ngroups + g], of, tot[r][q]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < np; q++) v_store(tile + (r * np + q) * NR, tot[r][q]);
+}
+
+/* One specialised copy per (rows, panels, bits): up to 2 rows x 4 panels or 4 rows x 2 panels, so the
+ * totals and both accumulator sets stay in registers. */
+static void decode_block(const float *xf, int64_t ldx, const qweight *w, int64_t p, int mr, int np,
+                         const float *xsum, int64_t ngroups, float *tile) {
+#define KVF_DCASE(R, P)                                                                                \
+    case (R) * 8 + (P):                                                                                \
+        if (w->bits == 8) decode_tile(xf, ldx, w, p, R, P, 8, xsum, ngroups, tile);                    \
+        else decode_tile(xf, ldx, w, p, R, P, 4, xsum, ngroups, tile);                                 \
+        break;
+    switch (mr * 8 + np) {
+        KVF_DCASE(1, 1) KVF_DCASE(1, 2) KVF_DCASE(1, 3) KVF_DCASE(1, 4)
+        KVF_DCASE(2, 1) KVF_DCASE(2, 2) KVF_DCASE(2, 3) KVF_DCASE(2, 4)
+        KVF_DCASE(3, 1) KVF_DCASE(3, 2) KVF_DCASE(4, 1) KVF_DCASE(4, 2)
+    default: break;
+    }
+#undef KVF_DCASE
+}
+
+/* Panels p..p+np-1 dequantized into scratch [np][Kp][16] fp32 (the int4 pad k, if any, is a real zero code
+ * times its scale plus offset; x's pad is zero, so it adds nothing). */
+static void dequantize_panels(const qweight *w, int64_t p, int np, float *scratch) {
+    const int64_t K = w->K, Kp = w->Kp, G = w->group;
+    for (int q = 0; q < np; q++) {
+        const uint8_t *base = w->codes + (p + q) * w->pstride;
+        float *out = scratch + q * Kp * NR;
+        for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) {
+            const int64_t k1 = k0 + G < K ? k0 + G : K;
+            const v16 s = v_load(w->scales + g * w->Np + (p + q) * NR);
+            if (w->bits == 8) {
+                for (int64_t k = k0; k < k1; k++) v_store(out + k * NR, v_mul(v_from_i8((const int8_t *)base + k * NR), s));
+            } else {
+                const v16 o = v_load(w->offsets + g * w->Np + (p + q) * NR);
+                for (int64_t k = k0; k < k1; k += 2) {
+                    v16 lo, hi;
+                    v_from_u4(base + (k / 2) * NR, &lo, &hi);
+                    v_store(out + k * NR, v_fma(lo, s, o));
+                    v_store(out + (k + 1) * NR, v_fma(hi, s, o));
+                }
+            }
+        }
+    }
+}
+
+/* GEMM rows: `mr` rows of xf against np dequantized panels in scratch, fp32 FMAs in a register tile. */
+INLINE void gemm_tile(const float *xf, int64_t ldx, int64_t Kp, const float *scratch, int mr, int np, float *tile) {
+    v16 acc[GM][GP];
+    for (int r = 0; r < GM; r++)
+        for (int q = 0; q < GP; q++) acc[r][q] = v_zero();
+    for (int64_t k = 0; k < Kp; k++) {
+        v16 wv[GP];
+#pragma GCC unroll 3
+        for (int q = 0; q < np; q++) wv[q] = v_load(scratch + (q * Kp + k) * NR);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const float a = xf[r * ldx + k];
+#pragma GCC unroll 3
+            for (int q = 0; q < np; q++) acc[r][q] = v_fma_s(a, wv[q], acc[r][q]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int q = 0; q < np; q++) v_store(tile + (r * np + q) * NR, acc[r][q]);
+}
+
+static void gemm_block(const float *xf, int64_t ldx, int64_t Kp, const float *scratch, int mr, int np, float *tile) {
+#define KVF_GCASE(R, P) \
+    case (R) * 8 + (P): gemm_tile(xf, ldx, Kp, scratch, (R) <= GM ? (R) : GM, (P) <= GP ? (P) : GP, tile); break;
+#define KVF_GROW(R) KVF_GCASE(R, 1) KVF_GCASE(R, 2) KVF_GCASE(R, 3)
+    switch (mr * 8 + np) {
+        KVF_GROW(1) KVF_GROW(2) KVF_GROW(3) KVF_GROW(4) KVF_GROW(5) KVF_GROW(6) KVF_GROW(7) KVF_GROW(8)
+    default: break;
+    }
+#undef KVF_GROW
+#undef KVF_GCASE
+}
+
+/* Scratch per thread for the GEMM path: as many panels (up to GP) as fit in this many bytes of L2. */
+#define SCRATCH_BYTES (512 * 1024)
+/* A tile's fp32 results: the larger of the GEMM tile (GM x GP panels) and the decode tile (DR x DP). */
+#define TILE_FLOATS (GM * GP > DR * DP ? GM * GP * NR : DR * DP * NR)
+
+/* x: [M, K] fp32 (x_bf16 = 0) or bf16; y: [M, N] in x's dtype; bias: [N] fp32 or NULL (the caller widens a
+ * bf16 bias). codes / scales / offsets: the layout above. Returns 0, or -1 when out of memory. */
+int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, int bits, const float *scales,
+                const float *offsets, int64_t group, int64_t N, const float *bias, void *y, int nthreads) {
+    const int64_t P = (N + NR - 1) / NR;
+    qweight w = {codes, scales, offsets, K, bits == 4 ? K + (K & 1) : K, N, P * NR, group, 0, bits};
+    w.pstride = bits == 4 ? (w.Kp / 2) * NR : K * NR;
+    const int64_t Kp = w.Kp;
+    /* x as fp32 rows of Kp (a copy when x is bf16 or K must be padded) */
+    float *xpad = NULL;
+    const float *xf = (const float *)x;
+    if (x_bf16 || Kp != K) {
+        xpad = (float *)malloc((size_t)(M * Kp) * sizeof(float));
+        if (!xpad) return -1;
+        for (int64_t r = 0; r < M; r++) {
+            float *dst = xpad + r * Kp;
+            if (x_bf16)
+                for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_f32(((const uint16_t *)x)[r * K + k]);
+            else
+                memcpy(dst, (const float *)x + r * K, (size_t)K * sizeof(float));
+            for (int64_t k = K; k < Kp; k++) dst[k] = 0.0f;
+        }
+        xf = xpad;
+    }
+    /* int4 decode rows: each row's sum of x per group (the offsets' term) */
+    const int64_t ngroups = (K + group - 1) / group;
+    float *xsum = NULL;
+    if (bits == 4 && M <= DECODE_ROWS) {
+        xsum = (float *)malloc((size_t)(M * ngroups) * sizeof(float));
+        if (!xsum) {
+            free(xpad);
+            return -1;
+        }
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t g = 0; g < ngroups; g++) {
+                float sum = 0.0f;
+                for (int64_t k = g * group; k < (g + 1) * group && k < K; k++) sum += xf[r * Kp + k];
+                xsum[r * ngroups + g] = sum;
+            }
+    }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > P) nthreads = (int)P;
+    const size_t ysz = x_bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+#ifdef _OPENMP
+        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+        const int64_t tid = 0, nth = 1;
+#endif
+        const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
+        float tile[TILE_FLOATS];
+        if (M <= DECODE_ROWS) {
+            const int rows = (int)(M < DR ? M : DR), dp = rows <= 2 ? DP : 2;
+            for (int64_t p = p0; p < p1; p += dp) {
+                const int np = (int)(p1 - p < dp ? p1 - p : dp);
+                for (int64_t i = 0; i < M; i += rows) {
+                    const int mr = (int)(M - i < rows ? M - i : rows);
+                    decode_block(xf + i * Kp, Kp, &w, p, mr, np, xsum ? xsum + i * ngroups : NULL, ngroups, tile);
+                    write_rows(tile, mr, np, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, p * NR, bias);
+                }
+            }
+        } else if (p1 > p0) {
+            int64_t per = SCRATCH_BYTES / (Kp * NR * (int64_t)sizeof(float));
+            per = per < 1 ? 1 : (per > GP ? GP : per);
+            float *scratch = (float *)aligned_alloc(64, (size_t)((per * Kp * NR * sizeof(float) + 63) / 64 * 64));
+            if (!scratch) {
+                failed = 1;
+            } else {
+                for (int64_t p = p0; p < p1; p += per) {
+                    const int np = (int)(p1 - p < per ? p1 - p : per);
+                    dequantize_panels(&w, p, np, scratch);
+                    for (int64_t i = 0; i < M; i += GM) {
+                        const int mr = (int)(M - i < GM ? M - i : GM);
+                        gemm_block(xf + i * Kp, Kp, Kp, scratch, mr, np, tile);
+                        write_rows(tile, mr, np, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, p * NR, bias);
+                    }
+                }
+                free(scratch);
+            }
+        }
+    }
+    free(xsum);
+    free(xpad);
+    return failed ? -1 : 0;
+}

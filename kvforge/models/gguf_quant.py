@@ -1,0 +1,135 @@
+"""GGUF's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks converted to the int8 / int4 kernel's codes, without a float copy.
+
+Why: a GGUF file's quantized tensors are already what the kernel reads, codes with a scale per small
+group along K, in another byte order. Converting the blocks (integer shuffles, one fp32 multiply per
+group for the super-block formats) keeps a Q4_0 file at ~4.5 bits a weight in memory instead of the 32
+bits dequantizing to fp32 costs, and the weights are exactly the file's:
+
+  Q8_0: 32 int8 codes and an fp16 scale per block        -> int8 codes, groups of 32, scale d
+  Q6_K: 16 groups of 16 six-bit codes, int8 sub-scales    -> int8 codes (q - 32), groups of 16, scale d x sc
+  Q4_0: 32 four-bit codes and an fp16 scale per block     -> int4 codes, groups of 32, w = q x d - 8d
+  Q4_1: the same with an fp16 min per block              -> int4 codes, groups of 32, w = q x d + m
+  Q4_K: 8 groups of 32 four-bit codes, 6-bit scales/mins  -> int4 codes, groups of 32, w = q x (d sc) - dmin m
+
+Each function takes the raw bytes of a [N, K] tensor (`reader.tensors[i].data`: N x K / block_elems
+blocks, row-major) and returns (codes [N, K], scales [N, groups], offsets or None, bits, group), as
+`quant_linear.pack_codes` takes them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+QK_K = 256
+# GGMLQuantizationType values (gguf.constants): Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+BLOCK = {Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q4_K: (QK_K, 144), Q6_K: (QK_K, 210)}  # (elements, bytes)
+KEPT_TYPES = tuple(BLOCK)
+
+Codes = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, int]
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _blocks(data: Any, qtype: int, n: int, k: int) -> np.ndarray:
+    elems, nbytes = BLOCK[qtype]
+    if k % elems:
+        raise ValueError(f"a {k}-wide row is not whole blocks of {elems}")
+    return np.asarray(data, dtype=np.uint8).reshape(n * k // elems, nbytes)
+
+
+def _q8_0(b: np.ndarray, n: int, k: int) -> Codes:
+    d = _f16(b[:, :2]).reshape(n, k // 32)
+    q = np.ascontiguousarray(b[:, 2:]).view(np.int8).reshape(n, k)
+    return torch.from_numpy(q.copy()), torch.from_numpy(d), None, 8, 32
+
+
+def _q4_0(b: np.ndarray, n: int, k: int) -> Codes:
+    d = _f16(b[:, :2]).reshape(n, k // 32)
+    qs = b[:, 2:]  # byte j: element j (low nibble) and j + 16 (high)
+    u = np.concatenate([qs & 15, qs >> 4], axis=1).reshape(n, k)
+    return torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(-8.0 * d), 4, 32
+
+
+def _q4_1(b: np.ndarray, n: int, k: int) -> Codes:
+    d, m = _f16(b[:, :2]).reshape(n, k // 32), _f16(b[:, 2:4]).reshape(n, k // 32)
+    qs = b[:, 4:]
+    u = np.concatenate([qs & 15, qs >> 4], axis=1).reshape(n, k)
+    return torch.from_numpy(u), torch.from_numpy(d), torch.from_numpy(m), 4, 32
+
+
+def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of each super-block's 12 scale bytes."""
+    s = s.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=1)
+    mn = np.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k(b: np.ndarray, n: int, k: int) -> Codes:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _q4_k_scales(b[:, 4:16])
+    qs = b[:, 16:].reshape(-1, 4, 1, 32)  # 4 chunks of 32 bytes: sub-block 2c in the low nibbles, 2c+1 high
+    u = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n, k)
+    scales = (d * sc).reshape(n, k // 32)  # fp32 products, as the reference dequantizer rounds them
+    offsets = -(dmin * mn).reshape(n, k // 32)
+    return torch.from_numpy(u), torch.from_numpy(scales), torch.from_numpy(offsets), 4, 32
+
+
+def _q6_k(b: np.ndarray, n: int, k: int) -> Codes:
+    ql, qh = b[:, :128].reshape(-1, 2, 1, 64), b[:, 128:192].reshape(-1, 2, 1, 32)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    lo = np.concatenate([ql & 15, ql >> 4], axis=2).reshape(-1, 8, 32)  # halves x nibble x 64 -> 8 rows of 32
+    hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2).reshape(-1, 8, 32)
+    q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    return torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, k // 16)), None, 8, 16
+
+
+_CONVERT = {Q8_0: _q8_0, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q6_K: _q6_k}
+
+
+def gguf_codes(data: Any, qtype: int, n: int, k: int) -> Codes:
+    """The codes, scales (and int4 offsets), bits and group size of a [N, K] GGUF tensor of `qtype`."""
+    if qtype not in _CONVERT:
+        raise ValueError(f"GGUF type {qtype} is not kept quantized (only Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)")
+    return _CONVERT[qtype](_blocks(data, qtype, n, k), n, k)
+
+
+def file_codes(path: str, num_heads: int, num_kv_heads: int) -> dict[str, Callable[[], Codes]]:
+    """HF weight name -> a call that converts that GGUF tensor's blocks (read from the memory-mapped file
+    only when called), for every 2-D tensor of a kept type; q/k rows unpermuted as the loader does."""
+    from gguf import GGUFReader
+
+    from kvforge.models.gguf_loader import _arch, hf_tensor_name, unpermute_rope_rows
+
+    reader = GGUFReader(path)
+    arch, spec = _arch(reader)
+    out: dict[str, Callable[[], Codes]] = {}
+    for t in reader.tensors:
+        if int(t.tensor_type) not in _CONVERT or len(t.shape) != 2:
+            continue
+        try:
+            hf = hf_tensor_name(t.name, arch)
+        except ValueError:
+            continue
+        if hf is None:
+            continue
+        proj = hf.split(".")[-2]
+        heads = (num_heads if proj == "q_proj" else num_kv_heads) if spec.permute_qk and proj in ("q_proj", "k_proj") else 0
+
+        def convert(t: Any = t, heads: int = heads) -> Codes:
+            k, n = (int(x) for x in t.shape)  # GGUF lists the fastest dimension first
+            codes, scales, offsets, bits, group = gguf_codes(t.data, int(t.tensor_type), n, k)
+            if heads:
+                codes, scales = unpermute_rope_rows(codes, heads), unpermute_rope_rows(scales, heads)
+                offsets = unpermute_rope_rows(offsets, heads) if offsets is not None else None
+            return codes, scales, offsets, bits, group
+
+        out[hf] = convert
+    return out

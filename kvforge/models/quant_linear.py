@@ -1,0 +1,214 @@
+"""Weight-only int8 / int4 linear layers (`quantization="int8" | "int4"`) and the C kernel they call.
+
+Why: decode reads every weight once per token, so once it runs at the
+machine's read bandwidth (bf16 on a 1B model does) the only way to go faster
+is fewer bytes. int8 codes with one fp32 scale per output channel halve the
+bytes of bf16; int4 codes in groups of 32-128 along K, one fp32 scale and
+one fp32 offset (a zero point) per group and column, come to 4.5-6 bits a weight. Activations stay in
+the model's dtype (fp32 or bf16): the kernel (`csrc/linear_quant.c`) widens
+the codes in registers and multiplies in fp32, so a quantized model computes
+what the same weights dequantized to fp32 would (up to the order of fp32
+additions), and quality is the weights' quantization alone.
+
+The layout is the panel layout of `panel_linear.py` (16 output columns per
+panel, each panel one sequential stream) with 1-byte or half-byte codes.
+GGUF's Q8_0 / Q4_0 blocks are the same formats with groups of 32, so
+`pack_codes` also takes codes decoded straight from a file's blocks
+(`gguf_quant.py`) without an fp32 copy of the weight.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvforge.config import WEIGHT_QUANTIZATIONS
+from kvforge.native import NativeLibrary
+
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+DEFAULT_INT4_GROUP = 32
+NR = 16  # output columns per panel (kvf_qlinear_nr)
+_ROWS_PER_CHUNK = 4096  # quantize this many output rows at a time: fp32 temporaries stay small
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.kvf_qlinear.restype = _C
+    lib.kvf_qlinear.argtypes = [_P, _C, _I, _I, _P, _C, _P, _P, _I, _I, _P, _P, _C]
+    lib.kvf_qlinear_nr.restype = _C
+    lib.kvf_qlinear_nr.argtypes = []
+    lib.kvf_qlinear_simd.restype = _C
+    lib.kvf_qlinear_simd.argtypes = []
+    if lib.kvf_qlinear_nr() != NR:
+        raise AttributeError(f"linear_quant.c has panels of {lib.kvf_qlinear_nr()} columns, expected {NR}")
+
+
+LIBRARY = NativeLibrary(
+    Path(__file__).parent / "csrc" / "linear_quant.c", "KVFORGE_PANEL_LINEAR", "the int8/int4 linear kernel", _declare,
+)
+
+
+def simd_level() -> str:
+    """Which path the kernel was built with: "avx512", "avx2" or "c" (or "unavailable")."""
+    lib = LIBRARY.load()
+    return "unavailable" if lib is None else ("c", "avx2", "avx512")[lib.kvf_qlinear_simd()]
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A [N, K] weight as codes in panels plus fp32 scales (and int4 offsets) per group of `group` k.
+
+    int8: codes [panels, K, 16] int8 (stored as uint8 bytes), w = code x scale.
+    int4: codes [panels, ceil(K/2), 16] bytes of two nibbles (low: even k), w = nibble x scale + offset
+    (a zero point: offset = -zero x scale; GGUF's Q4_0 has offset = -8 x scale, Q4_K its min).
+    scales / offsets: [ceil(K / group), panels x 16] fp32."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    n: int
+    k: int
+    bits: int
+    group: int
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.offsets.numel() * 4 if self.offsets is not None else 0
+        return self.codes.numel() + self.scales.numel() * 4 + extra
+
+    @property
+    def describe(self) -> str:
+        return "int8 per channel" if self.bits == 8 and self.group >= self.k else f"int{self.bits} g{self.group}"
+
+
+def _panels(n: int) -> int:
+    return -(-n // NR)
+
+
+def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
+               group: int) -> QuantWeight:
+    """Lay out codes [N, K] (int8: int8 in [-128, 127]; int4: uint8 in [0, 15]) and their per-group scales
+    (and int4 offsets) [N, ceil(K / group)] in the kernel's panel layout."""
+    if bits not in (8, 4) or codes.dim() != 2:
+        raise ValueError(f"pack_codes takes 2-D int8 or int4 codes, got bits={bits}, shape {tuple(codes.shape)}")
+    n, k = codes.shape
+    groups = -(-k // group)
+    if bits == 4 and (group % 2 or offsets is None):
+        raise ValueError("int4 codes need an even group size and offsets")
+    if scales.shape != (n, groups) or (offsets is not None and offsets.shape != (n, groups)):
+        raise ValueError(f"scales must be [{n}, {groups}], got {tuple(scales.shape)}")
+    npad = _panels(n) * NR
+    if bits == 8:
+        padded = torch.zeros(npad, k, dtype=torch.int8)
+        padded[:n] = codes
+        packed = padded.view(-1, NR, k).transpose(1, 2).contiguous().view(torch.uint8)  # [panels, K, 16]
+    else:
+        kp = k + k % 2
+        padded = torch.zeros(npad, kp, dtype=torch.uint8)
+        padded[:n, :k] = codes
+        pairs = padded[:, 0::2] | (padded[:, 1::2] << 4)  # [Np, K2]: low nibble even k
+        packed = pairs.view(-1, NR, kp // 2).transpose(1, 2).contiguous()  # [panels, K2, 16]
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(groups, npad, dtype=torch.float32)
+        out[:, :n] = t.t().float()
+        return out
+
+    return QuantWeight(packed, by_group(scales), by_group(offsets) if offsets is not None else None, n, k, bits, group)
+
+
+def quantize(weight: torch.Tensor, method: str, group: int | None = None) -> QuantWeight:
+    """Quantize a dense float [N, K] weight: "int8" symmetric per output channel (scale = max|w| / 127), or
+    "int4" in groups of `group` k with a zero point: each group's [min, max] split into 15 steps
+    (w = code x (max - min) / 15 + min). With the int8 lm_head of `weight_quant.quantize_model`, this
+    took int4's perplexity change on the default model (bf16, 1,024 tokens, `kvforge eval weights`) from
+    +28.6% (symmetric groups, llama.cpp's Q4_0 rule, int4 lm_head) to -0.2%. Rows go `_ROWS_PER_CHUNK` at a time, so only
+    a slice of the weight is ever widened to fp32."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"quantize takes a 2-D float weight, got {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    if method == "int8":
+        group = k
+        codes = torch.empty(n, k, dtype=torch.int8)
+        scales = torch.empty(n, 1, dtype=torch.float32)
+        for r0 in range(0, n, _ROWS_PER_CHUNK):
+            w = weight[r0:r0 + _ROWS_PER_CHUNK].detach().float()
+            s = w.abs().amax(dim=1, keepdim=True) / 127.0
+            codes[r0:r0 + len(w)] = torch.round(w / torch.where(s > 0, s, 1.0)).clamp_(-127, 127).to(torch.int8)
+            scales[r0:r0 + len(w)] = s
+        return pack_codes(codes, scales, None, 8, group)
+    if method != "int4":
+        raise ValueError(f"quantization must be one of {WEIGHT_QUANTIZATIONS}, got {method!r}")
+    group = group or DEFAULT_INT4_GROUP
+    if group % 2 or group < 2:
+        raise ValueError(f"int4 group size must be even, got {group}")
+    groups = -(-k // group)
+    kpad = groups * group
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scales = torch.empty(n, groups, dtype=torch.float32)
+    offsets = torch.empty(n, groups, dtype=torch.float32)
+    for r0 in range(0, n, _ROWS_PER_CHUNK):
+        w = weight[r0:r0 + _ROWS_PER_CHUNK].detach().float()
+        rows = len(w)
+        wg = torch.nn.functional.pad(w, (0, kpad - k), value=float("nan")).view(rows, groups, group)
+        lo = torch.nan_to_num(wg, nan=float("inf")).amin(dim=2, keepdim=True)  # the padding takes no part
+        hi = torch.nan_to_num(wg, nan=float("-inf")).amax(dim=2, keepdim=True)
+        s = (hi - lo) / 15.0
+        u = torch.round((wg - lo) / torch.where(s > 0, s, 1.0)).clamp_(0, 15)
+        codes[r0:r0 + rows] = torch.nan_to_num(u, nan=0.0).to(torch.uint8).view(rows, kpad)[:, :k]
+        scales[r0:r0 + rows], offsets[r0:r0 + rows] = s.squeeze(2), lo.squeeze(2)
+    return pack_codes(codes, scales, offsets, 4, group)
+
+
+def _unpanel(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes back to [N or len(rows), K] (int8 as int8, int4 as uint8 nibbles)."""
+    c = qw.codes
+    if rows is None:
+        if qw.bits == 8:
+            return c.view(torch.int8).transpose(1, 2).reshape(-1, qw.k)[:qw.n]
+        pairs = c.transpose(1, 2).reshape(-1, c.shape[1])[:qw.n]
+    else:
+        p, j = rows // NR, rows % NR
+        if qw.bits == 8:
+            return c.view(torch.int8)[p, :, j]
+        pairs = c[p, :, j]
+    return torch.stack((pairs & 15, pairs >> 4), dim=2).reshape(len(pairs), -1)[:, :qw.k]
+
+
+def dequantize(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight [N, K] (or the given output rows) the kernel multiplies: each element is code x scale
+    (+ offset) rounded once to fp32, as the kernel's fp32 multiply (int8) or FMA (int4) rounds it."""
+    cols = torch.arange(qw.n) if rows is None else rows
+    g = torch.arange(qw.k) // qw.group
+    s = qw.scales[:, cols].t().double()[:, g]
+    w = _unpanel(qw, rows).double() * s
+    if qw.offsets is not None:
+        w = w + qw.offsets[:, cols].t().double()[:, g]  # exact in float64, then one rounding, as an FMA
+    return w.float()
+
+
+def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None,
+                 num_threads: int | None = None) -> torch.Tensor:
+    """x[..., K] @ W^T (+ bias) for CPU fp32 or bf16 x (inference only); y in x's dtype."""
+    lib = LIBRARY.load()
+    if lib is None:
+        raise RuntimeError(f"the int8/int4 linear kernel is unavailable: {LIBRARY.error}")
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.shape[-1] != qw.k:
+        raise ValueError(f"quant_linear takes fp32 or bf16 CPU x with last dim {qw.k}, got {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, qw.k).contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, qw.n, dtype=x.dtype)
+    if m == 0:
+        return y.view(*lead, qw.n)
+    b = bias.detach().float().contiguous() if bias is not None else None
+    offsets = qw.offsets.data_ptr() if qw.offsets is not None else None
+    rc = lib.kvf_qlinear(x2.data_ptr(), int(x.dtype == torch.bfloat16), m, qw.k, qw.codes.data_ptr(), qw.bits,
+                         qw.scales.data_ptr(), offsets, qw.group, qw.n, b.data_ptr() if b is not None else None,
+                         y.data_ptr(), num_threads or torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("the int8/int4 linear kernel could not allocate its scratch")
+    return y.view(*lead, qw.n)

@@ -1,0 +1,260 @@
+"""Weight-only int8 / int4 linear layers (`quantization=`): the kernel against dequantize-then-matmul for every
+format and group size, odd K and N, 1-1,030 rows, fp32 and bf16 activations, in the AVX-512, AVX2 and
+plain-C builds; and an engine whose int8 / int4 weights give the same greedy tokens as the same weights
+dequantized and run through torch in fp32."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from kvforge.models import gguf_quant, quant_linear
+from kvforge.models.linear import Linear
+from kvforge.models.quant_linear import dequantize, pack_codes, quant_linear as qlinear, quantize
+from kvforge.models.weight_quant import QuantEmbedding
+
+pytestmark = pytest.mark.skipif(quant_linear.LIBRARY.load() is None, reason=f"{quant_linear.LIBRARY.error}")
+
+# (name, bits, group): what `quantization=` makes, and the GGUF block formats (groups of 16 / 32, offsets)
+FORMATS = [("int8", 8, None), ("int4", 4, 32), ("int4", 4, 64), ("int4", 4, 128)]
+ROWS = (1, 2, 3, 4, 5, 8, 13, 64, 1030)
+
+
+def _gguf_like(n: int, k: int, bits: int, group: int, seed: int) -> quant_linear.QuantWeight:
+    """Codes with per-group scales (and, for int4, free offsets, as Q4_K's mins give): the layouts GGUF
+    blocks convert to."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    scales = torch.rand(n, groups, generator=g) * 0.1 + 0.01
+    if bits == 8:
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        return pack_codes(codes, scales, None, 8, group)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    return pack_codes(codes, scales, torch.randn(n, groups, generator=g) * 0.05, 4, group)
+
+
+def check(qw: quant_linear.QuantWeight, rows: int, dtype: torch.dtype, seed: int = 0, bias: bool = False) -> None:
+    """The kernel's y against x @ dequantize(W)^T in float64: within fp32 summation error (and, for bf16
+    output, one bf16 rounding)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, qw.k, generator=g).to(dtype)
+    b = torch.randn(qw.n, generator=g).to(dtype) if bias else None
+    y = qlinear(x, qw, b)
+    assert y.dtype == dtype and y.shape == (rows, qw.n)
+    w = dequantize(qw).double()
+    ref = x.double() @ w.t() + (b.double() if b is not None else 0.0)
+    bound = 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6
+    if dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0 ** -8
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g} over bound at rows={rows}"
+
+
+@pytest.mark.parametrize("name,bits,group", FORMATS, ids=[f"{n}-g{g}" for n, _, g in FORMATS])
+@pytest.mark.parametrize("n,k", [(37, 130), (16, 64), (53, 255), (1, 33)])
+def test_quantized_kernel_matches_dequantize_then_matmul(name, bits, group, n, k):
+    w = torch.randn(n, k) * 0.2
+    qw = quantize(w, name, group)
+    assert qw.bits == bits and qw.n == n and qw.k == k
+    for rows in ROWS:
+        check(qw, rows, torch.float32, seed=rows)
+    for rows in (1, 4, 9, 130):
+        check(qw, rows, torch.bfloat16, seed=rows, bias=True)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 16), (8, 32), (4, 32), (4, 16)])
+def test_grouped_codes_with_offsets_match(bits, group):
+    """The layouts GGUF's blocks become (Q6_K: int8 codes in groups of 16; Q8_0: 32; Q4_0 / Q4_K: int4 in
+    groups of 32 with offsets): same kernel, same reference."""
+    qw = _gguf_like(45, 96 + 5, bits, group, seed=bits + group)
+    for rows in (1, 3, 4, 6, 1030):
+        check(qw, rows, torch.float32, seed=rows, bias=True)
+
+
+def test_quantization_error_is_bounded():
+    """int8: at most half a step (max|w| / 254) per weight; int4 groups: half a step of the group's scale,
+    and each group's min and max are exact (the zero point is the min)."""
+    w = torch.randn(64, 250)
+    err8 = (dequantize(quantize(w, "int8")) - w).abs()
+    assert bool((err8 <= w.abs().amax(dim=1, keepdim=True) / 254 * 1.0001).all())
+    for group in (32, 64, 128):
+        qw = quantize(w, "int4", group)
+        step = qw.scales[:, :64].t().repeat_interleave(group, dim=1)[:, :250]
+        assert bool(((dequantize(qw) - w).abs() <= step / 2 * 1.0001 + 1e-6).all())
+        assert torch.allclose(dequantize(qw)[:, :group].amin(dim=1), w[:, :group].amin(dim=1), atol=1e-6)
+
+
+def test_embedding_rows_are_the_lm_head_codes():
+    """A tied model's embedding lookup reads the rows of the lm_head's codes: dequantize(W)[ids]."""
+    qw = quantize(torch.randn(50, 24), "int4", 32)
+    ids = torch.tensor([[0, 17, 49], [3, 3, 16]])
+    emb = QuantEmbedding(qw, torch.float32)(ids)
+    assert torch.equal(emb, dequantize(qw)[ids])
+
+
+def _run_built_with(flags: str, tmp_path, expect: str) -> None:
+    code = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from test_weight_quant import FORMATS, check, _gguf_like\n"
+        "from kvforge.models.quant_linear import quantize, simd_level\n"
+        f"assert simd_level() == {expect!r}, simd_level()\n"
+        "for name, bits, group in FORMATS:\n"
+        "    qw = quantize(torch.randn(37, 131) * 0.2, name, group)\n"
+        "    for rows in (1, 2, 4, 5, 9, 1030):\n"
+        "        check(qw, rows, torch.float32, seed=rows)\n"
+        "    check(qw, 3, torch.bfloat16, bias=True)\n"
+        "check(_gguf_like(21, 70, 4, 32, 1), 7, torch.float32, bias=True)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags,expect", [
+    ("-mno-avx512f", "avx2"), pytest.param("-mno-avx512f -mno-avx2 -mno-fma", "c", marks=pytest.mark.slow)])
+def test_avx2_and_plain_c_builds_match(tmp_path, flags, expect):
+    if expect == "avx2" and quant_linear.simd_level() == "c":
+        pytest.skip("this CPU has no AVX2")
+    _run_built_with(flags, tmp_path, expect)
+
+
+def _dequantized_in_fp32(model: nn.Module) -> None:
+    """Replace every quantized layer (and a tied embedding) by its dequantized fp32 weight, run by torch."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, QuantEmbedding):
+                setattr(parent, name, nn.Embedding.from_pretrained(dequantize(child.quant_weight), freeze=True))
+    for m in model.modules():
+        if isinstance(m, Linear) and m.quant_weight is not None:
+            m.weight = nn.Parameter(dequantize(m.quant_weight), requires_grad=False)
+            m.quant_weight = None
+
+
+@pytest.mark.parametrize("method", ["int8", pytest.param("int4", marks=pytest.mark.slow)])
+def test_engine_greedy_tokens_equal_the_dequantized_fp32_model(tmp_path, method):
+    """The kernel adds no error of its own: the int8 / int4 engine's greedy tokens equal those of the same
+    codes dequantized to fp32 weights (torch's matmuls), and the last step's logits agree to fp32 rounding."""
+    from tiny_models import build_tiny_model
+
+    from kvforge import LLM, SamplingParams
+
+    build_tiny_model(str(tmp_path), "llama_d64", num_hidden_layers=2, intermediate_size=200)
+    llm = LLM(model=str(tmp_path), dtype="float32", quantization=method, enable_prefix_caching=False,
+              log_ledger=False, num_kv_blocks=64)
+    model = llm.engine.model
+    quantized = [m.quant_weight for m in model.modules() if isinstance(m, Linear) and m.quant_weight is not None]
+    assert len(quantized) == 4 * 2 + 1 and model.lm_head.quant_weight.bits == 8  # int4 keeps the lm_head int8
+    assert any(isinstance(m, QuantEmbedding) for m in model.modules())  # tied: the embedding reads the codes
+    prompts = ["hello there, quantized world", "abc" * 20]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    quantized = llm.generate(prompts, params)
+    _dequantized_in_fp32(model)
+    reference = llm.generate(prompts, params)
+    for a, b in zip(quantized, reference):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for tok, lp in la.items():
+                assert abs(lp - lb[tok]) < 1e-4
+
+
+def test_quantization_option_errors():
+    from kvforge.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(quantization="int3")
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        EngineArgs(quantization="int4", quantization_group_size=48)
+    with pytest.raises(ValueError, match="device must be cpu"):
+        EngineArgs(quantization="int8", device="cuda")
+    with pytest.raises(ValueError, match="is not a .gguf"):
+        EngineArgs(quantization="gguf", model="/some/hf-folder")
+
+
+def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
+    """Random block bytes with finite fp16 scales where each format keeps them."""
+    elems, nbytes = gguf_quant.BLOCK[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
+    half = lambda: rng.uniform(0.001, 0.05, size=(len(b), 1)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if qtype in (gguf_quant.Q8_0, gguf_quant.Q4_0):
+        b[:, :2] = half()
+    elif qtype == gguf_quant.Q4_1:
+        b[:, 0:2], b[:, 2:4] = half(), half()
+    elif qtype == gguf_quant.Q4_K:
+        b[:, 0:2], b[:, 2:4] = half(), half()
+    else:  # Q6_K: fp16 d last
+        b[:, 208:210] = half()
+    return b
+
+
+@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q4_0, gguf_quant.Q4_1, gguf_quant.Q4_K,
+                                   gguf_quant.Q6_K], ids=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
+    """Each block format converted to kernel codes (no float copy) dequantizes to what the `gguf` package
+    gives (Q8_0, Q4_0, Q6_K bit for bit; Q4_1 and Q4_K within one fp32 rounding: the kernel's FMA rounds
+    q x scale + min once, the package twice), and the kernel multiplies those weights."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    n, k = 24, 512
+    raw = _random_blocks(qtype, n, k, seed=qtype)
+    want = torch.from_numpy(np.asarray(gguf_dequantize(raw.reshape(-1), qtype), dtype=np.float32).reshape(n, k))
+    codes, scales, offsets, bits, group = gguf_quant.gguf_codes(raw, qtype, n, k)
+    qw = pack_codes(codes, scales, offsets, bits, group)
+    got = dequantize(qw)
+    if qtype in (gguf_quant.Q4_1, gguf_quant.Q4_K):
+        torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-7)
+    else:
+        assert torch.equal(got, want)
+    check(qw, 3, torch.float32)
+    check(qw, 40, torch.float32)
+
+
+def test_eval_weights_reports_each_format_against_the_reference(tmp_path, capsys):
+    """`kvforge eval weights`: one row per format, the reference at +0.00%, int8 close to it and smaller."""
+    import json
+
+    from tiny_models import build_tiny_model
+
+    from kvforge.cli import main
+
+    build_tiny_model(str(tmp_path), "llama_d64")
+    assert main(["eval", "weights", "--model", str(tmp_path), "--dtype", "float32", "--formats", "none,int8",
+                 "--contexts", "48,96", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["format"] for r in rows] == ["none", "int8"]
+    assert rows[1]["weights_bytes"] < rows[0]["weights_bytes"] and rows[0]["kl"] == 0.0
+    for c in ("48", "96"):
+        assert abs(rows[1]["perplexity"][c] / rows[0]["perplexity"][c] - 1) < 0.05
+    assert 0 < rows[1]["kl"] < 0.05
+    assert main(["eval", "weights", "--model", str(tmp_path), "--formats", "none,int3"]) == 2
+
+
+@pytest.mark.slow
+def test_default_model_keeps_its_gguf_codes_and_tokens():
+    """quantization="gguf" on the default model (Q4_1 layers, a Q8_0 tied embedding): every linear layer runs
+    on the file's own codes, and greedy tokens equal the usual load's (the same blocks dequantized to fp32,
+    run by the panel kernels); logprobs within fp32 summation order (and Q4_1's one rounding)."""
+    from kvforge import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    kept = LLM(dtype="float32", quantization="gguf", enable_prefix_caching=False, num_kv_blocks=32, log_ledger=False)
+    model = kept.engine.model
+    layers = [m.quant_weight for m in model.modules() if isinstance(m, Linear) and m.quant_weight is not None]
+    assert len(layers) == 4 * 30 + 1 and {(q.bits, q.group) for q in layers} == {(4, 32), (8, 32)}
+    assert any(isinstance(m, QuantEmbedding) for m in model.modules())
+    got = kept.generate(prompts, params)
+    kept.close()
+    ref = LLM(dtype="float32", enable_prefix_caching=False, num_kv_blocks=32, log_ledger=False).generate(prompts, params)
+    for a, b in zip(got, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert all(abs(la[t] - lb[t]) < 2e-4 for t in la if t in lb)
