@@ -97,7 +97,7 @@ def plan_for_engine(engine: Any) -> GpuMemoryPlan:
     config, cfg, device = engine.config, engine.model_config, engine.device
     sched, cache_cfg = config.scheduler_config, config.cache_config
     tokens = max(1, min(sched.max_num_batched_tokens, sched.max_model_len or cfg.max_position_embeddings))
-    dtype = torch_dtype(config.model_config.dtype)
+    dtype = torch_dtype(config.model_options.dtype)
 
     def caches(n: int) -> list:
         return make_layer_caches(cfg, engine.cache_format, n, cache_cfg.block_size, device, dtype)
