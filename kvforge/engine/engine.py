@@ -28,6 +28,7 @@ from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.cache_factory import make_layer_caches
 from kvforge.kv.contiguous import make_coordinator
+from kvforge.kv.salt import check_cache_salt
 from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv
 from kvforge.models.linear import pack_linear_weights
@@ -210,6 +211,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; bad input raises ValueError and leaves the engine untouched."""
         params = params or SamplingParams()
+        cache_salt = check_cache_salt(cache_salt)  # tenant isolation: a bad salt is refused, never hashed
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string (or pass prompt_token_ids)")

@@ -63,7 +63,7 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
             f"max_tokens is {params.max_tokens} but the prompt has {n} tokens and {limits.limit_name} is "
             f"{limits.max_seq_len}: at most {room} new tokens fit", "max_tokens", "context_length_exceeded")
     if params.n > limits.max_num_seqs:
-        raise RequestRejected(f"n={params.n} exceeds max_num_seqs={limits.max_num_seqs}", "n")
+        raise RequestRejected(f"n must be an integer in [1, max_num_seqs={limits.max_num_seqs}], got {params.n}", "n")
     seed = params.seed  # re-checked: SamplingParams fields can be reassigned after validation
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX):
         raise RequestRejected(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}", "seed")

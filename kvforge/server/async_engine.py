@@ -157,7 +157,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         if self.draining:
             self.metrics.rejected("draining")
-            raise EngineDeadError("the server is shutting down")
+            raise EngineDeadError("the server is shutting down", code="draining")
 
     def _post(self, cmd: tuple) -> None:
         with self._inbox.cond:
@@ -180,7 +180,7 @@ class AsyncEngine:
                 self.on_fatal(exc)
             return
         self._drain_inbox(block=False)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError("the server is shutting down", code="draining"))
 
     def _step(self) -> None:
         """One engine step; a failure fails only the requests that step held, unless the engine itself broke."""
@@ -238,9 +238,10 @@ class AsyncEngine:
             self._pending -= len(group.subs)
         try:
             if self._stopping:
-                raise EngineDeadError("the server is shutting down")
+                raise EngineDeadError("the server is shutting down", code="draining")
             for s in group.subs:
-                self.engine.add_request(s.prompt, s.params, s.prompt_token_ids, request_id=s.request_id)
+                self.engine.add_request(s.prompt, s.params, s.prompt_token_ids, request_id=s.request_id,
+                                        cache_salt=s.cache_salt)
                 added.append(s.request_id)
         except Exception as exc:  # noqa: BLE001 - ValueError is the user's; anything else too, for this group
             for rid in added:  # bad input loses nothing: withdraw what this group queued
