@@ -88,6 +88,7 @@ class AsyncEngine:
             self._thread.join(timeout)
             stuck, self._thread = self._thread.is_alive(), None
             if stuck:  # the engine thread still holds the pool: no flush behind its back
+                self.engine.abandon_tiers()
                 log.warning("engine thread did not stop within %g s; KV tiers not flushed", timeout)
                 return
         self._flush_tiers()
@@ -96,6 +97,7 @@ class AsyncEngine:
         """KV tiers: the pool's cached prefix blocks to disk, so a restart serves them. Runs after the drain
         (lifecycle.DrainingServer) finished or failed every request and the engine thread stopped."""
         if self.error is not None:
+            self.engine.abandon_tiers()
             return  # the engine broke mid-step: its blocks are not trusted; the tiers keep what they had
         try:
             self.engine.close()

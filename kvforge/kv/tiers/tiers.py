@@ -47,7 +47,8 @@ class KVTiers:
         self.copy_bytes_per_s: float | None = None  # measured device <-> host round trip
         self.disk_bytes_per_s: float | None = None  # measured read + verify of a probe file
         self.stats = {t.name: TierStats(t.name) for t in self.tiers}
-        self.pending_exports: list[tuple[int, bytes, tuple[int, ...], bool]] = []  # (block, hash, tokens, swap)
+        # (block, hash, tokens, why): "evict" goes to every tier, "swap" to the host, "durable" to the disk
+        self.pending_exports: list[tuple[int, bytes, tuple[int, ...], str]] = []
         self.acquired: dict[bytes, tuple[TierHit, int]] = {}  # tier key -> (hit, pending loads of it)
         self.traces: dict[str, dict[str, list[int]]] = {}  # request id -> tier -> [queried, hit] blocks
 
@@ -61,7 +62,13 @@ class KVTiers:
 
     # ---- manager side (pure bookkeeping) -------------------------------------------------------
     def on_evict(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        self.pending_exports.append((block_id, block_hash, token_ids, False))
+        self.pending_exports.append((block_id, block_hash, token_ids, "evict"))
+
+    def write_through(self, block_id: int, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        """A block just became cached: queue it for the disk tier unless the disk is behind by more than its
+        write budget (`DiskTier.write_budget`); a skipped block still goes at eviction or at exit."""
+        if self.disk.queued_bytes < self.disk.write_budget:
+            self.pending_exports.append((block_id, block_hash, token_ids, "durable"))
 
     def lookup(self, request_id: str, block_hash: bytes, token_ids: Sequence[int]) -> TierHit | None:
         """The fastest tier holding this block under this namespace, with its token ids confirmed."""
@@ -113,7 +120,7 @@ class KVTiers:
 
     def swap_out(self, blocks: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> None:
         for block_id, block_hash, tokens in blocks:
-            self.pending_exports.append((block_id, block_hash, tokens, True))
+            self.pending_exports.append((block_id, block_hash, tokens, "swap"))
 
     # ---- runner side (moves bytes) -------------------------------------------------------------
     def sync(self, mover: Any, loads: Sequence[KVLoad] = ()) -> None:
@@ -125,12 +132,13 @@ class KVTiers:
 
     def _export(self, mover: Any) -> None:
         jobs, seen = [], set()
-        for block_id, block_hash, tokens, swap in self.pending_exports:
+        for block_id, block_hash, tokens, why in self.pending_exports:
             key = tier_key(self.namespace, block_hash)
-            to_host = self.host is not None and not self.host.contains(key)
+            swap = why == "swap"
+            to_host = self.host is not None and why != "durable" and not self.host.contains(key)
             to_disk = self.disk is not None and not swap and not self.disk.contains(key)
-            if (to_host or to_disk) and key not in seen:
-                seen.add(key)
+            if (to_host or to_disk) and (key, to_host) not in seen:
+                seen.add((key, to_host))
                 jobs.append((block_id, key, tokens, to_host, to_disk, swap))
         self.pending_exports.clear()
         if not jobs:
@@ -188,7 +196,7 @@ class KVTiers:
     def flush(self, mover: Any, cached: Iterable[tuple[int, bytes, tuple[int, ...]]]) -> None:
         """Write the device's cached blocks to the tiers and wait for the disk (shutdown, restart)."""
         for block_id, block_hash, tokens in cached:
-            self.pending_exports.append((block_id, block_hash, tokens, False))
+            self.pending_exports.append((block_id, block_hash, tokens, "evict"))
         self.sync(mover)
         if self.disk is not None:
             self.disk.flush()
@@ -196,3 +204,17 @@ class KVTiers:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
+
+def flush_tiers_at_exit(tiers: KVTiers, mover: Any, kv: Any) -> None:
+    """Write every cached device block to the tiers, wait for the disk, stop its writer (`LLMEngine.close`).
+
+    Registered with `weakref.finalize`, so it also runs at interpreter exit and when an engine is collected:
+    the finalizer holds these three objects, never the engine. A step cut off mid-way (Ctrl-C) left
+    blocks published but unwritten; they lose their hash first, so no tier ever stores them.
+    """
+    kv.discard_unwritten()
+    pool = kv.pools[0]
+    tiers.flush(mover, [(b.block_id, b.block_hash, b.token_ids) for b in pool.blocks
+                        if b.block_hash is not None and b.token_ids is not None])
+    tiers.close()
