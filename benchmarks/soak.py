@@ -11,7 +11,7 @@ Drift verdict (issue 38's target): RSS plateaus when its growth over the last 20
 (`--plateau-window`; the second half of a run shorter than 40 minutes) is under 5% of the
 RSS at the window's start; the earlier part absorbs allocator warm-up.
 
-    python benchmarks/soak.py [--duration 1800] [--model PATH] [--clients 6] [--save benchmarks/results/soak.json]
+    python benchmarks/soak.py [--duration 1800] [--model PATH] [--clients 6] [--save benchmarks/results/YYYY-MM-DD_soak.json]
 """
 from __future__ import annotations
 

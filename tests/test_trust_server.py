@@ -6,6 +6,8 @@ could reach through a visitor's browser with a `text/plain` POST (no CORS prefli
 """
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from starlette.routing import Route
@@ -47,6 +49,13 @@ def _cached(r: httpx.Response) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def _ask(http: httpx.Client, method: str, path: str, **kwargs) -> tuple[int, httpx.Headers, bytes]:
+    """Status, headers and body; an event stream (e.g. /kv/stream, endless) is closed unread."""
+    with http.stream(method, path, **kwargs) as r:
+        endless = r.headers.get("content-type", "").startswith("text/event-stream")
+        return r.status_code, r.headers, b"" if endless else r.read()
+
+
 def test_every_route_but_health_needs_the_key(keyed):
     routes = [r for r in keyed.app.routes if isinstance(r, Route)]
     paths = {r.path for r in routes}
@@ -58,16 +67,16 @@ def test_every_route_but_health_needs_the_key(keyed):
                 if method == "HEAD":
                     continue
                 kwargs = {"json": {}} if method in ("POST", "PUT", "PATCH") else {}
-                r = http.request(method, path, **kwargs)
+                status, headers, body = _ask(http, method, path, **kwargs)
                 if route.path in OPEN_PATHS:
-                    assert r.status_code != 401, (method, path)
+                    assert status != 401, (method, path)
                     continue
-                assert r.status_code == 401, (method, path, r.status_code)
-                assert r.json()["error"]["code"] == "invalid_api_key"
-                assert r.headers["www-authenticate"] == "Bearer"
-                assert http.request(method, path, headers=_auth("wrong"), **kwargs).status_code == 401
+                assert status == 401, (method, path, status)
+                assert json.loads(body)["error"]["code"] == "invalid_api_key"
+                assert headers["www-authenticate"] == "Bearer"
+                assert _ask(http, method, path, headers=_auth("wrong"), **kwargs)[0] == 401
                 for key in KEYS:  # every key of the list is accepted
-                    assert http.request(method, path, headers=_auth(key), **kwargs).status_code != 401, (method, path)
+                    assert _ask(http, method, path, headers=_auth(key), **kwargs)[0] != 401, (method, path)
         assert http.get("/not-a-route").status_code == 401  # unknown paths do not reveal what exists
         assert http.get("/openapi.json", headers=_auth(KEYS[0])).status_code == 200
 
@@ -82,8 +91,6 @@ def test_every_route_but_health_needs_the_key(keyed):
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_non_json_bodies_get_415_naming_the_header(open_server, path, headers, param):
-    import json
-
     raw = json.dumps(BODY).encode()
     r = httpx.post(open_server.url + path, content=raw, headers=headers, timeout=60)
     assert r.status_code == 415, r.text
@@ -92,8 +99,6 @@ def test_non_json_bodies_get_415_naming_the_header(open_server, path, headers, p
 
 
 def test_json_with_charset_and_identity_encoding_is_accepted(open_server):
-    import json
-
     r = httpx.post(open_server.url + "/v1/completions", content=json.dumps(BODY).encode(), timeout=60,
                    headers={"content-type": "Application/JSON; charset=utf-8", "content-encoding": "identity"})
     assert r.status_code == 200, r.text

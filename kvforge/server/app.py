@@ -32,6 +32,7 @@ from kvforge.kv.salt import combine_salts
 from kvforge.server.auth import check_bearer, split_api_keys
 from kvforge.server.config import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from kvforge.server.guards import install_guards, tenant_salt
+from kvforge.server.kv_map import add_kv_map_routes
 from kvforge.server.metrics import CONTENT_TYPE
 from kvforge.server.openapi import openapi_schema
 from kvforge.server.protocol import APIError, GenerationRequest, parse_chat_request, parse_completion_request
@@ -253,4 +254,5 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | Sequence[str]
     async def openapi() -> JSONResponse:
         return JSONResponse(openapi_schema(bool(api_keys)))
 
+    add_kv_map_routes(app, engine, api_keys or None)  # /kv, /kv/state, /kv/stream: the live KV block map
     return app

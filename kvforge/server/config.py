@@ -28,7 +28,7 @@ class ServerConfig:
     served_model_name: str | None = option(None, "model id clients send (default: the model's name)")
     max_request_bytes: int = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies get HTTP 413")
     log_level: str = option("info", "server log level", choices=LOG_LEVELS)
-    # reliability (README: "Running in production"): timeouts, backpressure, drain
+    # reliability (docs/serving.md: "Running in production"): timeouts, backpressure, drain
     max_waiting_requests: int | None = option(
         None, "past this many queued requests, answer 503 with Retry-After (default: unbounded, as vLLM; set it to "
         "about max_num_seqs x the queue time you accept / the mean request time)")

@@ -22,9 +22,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvforge.kv.salt import salt_for_api_key
 from kvforge.server.auth import check_bearer
+from kvforge.server.kv_map import COOKIE as KEY_COOKIE
 from kvforge.server.protocol import APIError
 
 OPEN_PATHS = frozenset({"/health"})
+# A browser page cannot send an Authorization header on navigation: the KV map page (/kv, kv_map.py) logs
+# in once with `?key=` and then carries the key in an HttpOnly cookie; both are accepted as the key.
+KEY_QUERY_PATHS = frozenset({"/kv"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 TENANT_SALT = "tenant_salt"  # request.state key: the salt --cache-salt-from-api-key derived, or absent
 
@@ -58,13 +62,35 @@ class RequireAPIKey:
             await self.app(scope, receive, send)
             return
         try:
-            key = check_bearer(_header(scope, b"authorization"), self.api_keys)
+            key = check_bearer(_credential(scope), self.api_keys)
         except APIError as exc:
             await _send_error(send, exc, {"WWW-Authenticate": "Bearer"})
             return
         if self.salt_from_key:
             scope.setdefault("state", {})[TENANT_SALT] = salt_for_api_key(key)
         await self.app(scope, receive, send)
+
+
+def _credential(scope: Scope) -> str | None:
+    """`Bearer <key>` from the Authorization header, else from the key cookie or (page login) `?key=`."""
+    header = _header(scope, b"authorization")
+    if header:
+        return header
+    from http.cookies import SimpleCookie
+    from urllib.parse import parse_qs
+
+    cookie = SimpleCookie()
+    try:
+        cookie.load(_header(scope, b"cookie") or "")
+    except Exception:  # noqa: BLE001 - a malformed Cookie header is no credential
+        cookie = SimpleCookie()
+    if KEY_COOKIE in cookie:
+        return f"Bearer {cookie[KEY_COOKIE].value}"
+    if scope.get("path") in KEY_QUERY_PATHS:
+        keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key")
+        if keys:
+            return f"Bearer {keys[0]}"
+    return None
 
 
 class RequireJSONBody:
