@@ -7,8 +7,9 @@ samples, shared-prefix prompts, and streams the client abandons after a few even
 free blocks from /metrics, and the request counts. At the end it waits for the engine to go
 idle and checks that every KV block is back in the pool.
 
-Drift verdict: RSS is said to plateau when the growth over the second half of the run is
-under 3% of the RSS at the half-way mark (the first half absorbs allocator warm-up).
+Drift verdict (issue 38's target): RSS plateaus when its growth over the last 20 minutes
+(`--plateau-window`; the second half of a run shorter than 40 minutes) is under 5% of the
+RSS at the window's start; the earlier part absorbs allocator warm-up.
 
     python benchmarks/soak.py [--duration 1800] [--model PATH] [--clients 6] [--save benchmarks/results/YYYY-MM-DD_soak.json]
 """
@@ -114,7 +115,10 @@ class Traffic:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic (default 1800 = 30 min)")
-    p.add_argument("--interval", type=float, default=15.0, help="seconds between samples (default 15)")
+    p.add_argument("--interval", type=float, default=30.0, help="seconds between samples (default 30)")
+    p.add_argument("--plateau-window", type=float, default=1200.0,
+                   help="seconds at the end of the run whose RSS growth decides the verdict (default 1200 = 20 min)")
+    p.add_argument("--plateau-limit", type=float, default=0.05, help="growth allowed over the window (default 5%%)")
     p.add_argument("--model", default=None, help="model folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--clients", type=int, default=6)
     p.add_argument("--num-kv-blocks", type=int, default=256)
@@ -176,17 +180,20 @@ def main() -> int:
                 break
             time.sleep(0.5)
         idle_rss = proc.memory_info().rss / 2**20
-        half = next(s for s in samples if s["t"] >= samples[-1]["t"] / 2)
+        end_t = samples[-1]["t"]
+        window = args.plateau_window if end_t >= 2 * args.plateau_window else end_t / 2
+        half = next(s for s in samples if s["t"] >= end_t - window)
         growth = (samples[-1]["rss_mb"] - half["rss_mb"]) / half["rss_mb"]
         verdict = {
-            "duration_s": samples[-1]["t"], "rss_start_mb": samples[0]["rss_mb"], "rss_half_mb": half["rss_mb"],
-            "rss_end_mb": samples[-1]["rss_mb"], "rss_idle_after_mb": idle_rss,
-            "second_half_growth": growth, "rss_plateaus": growth < 0.03,
+            "duration_s": end_t, "rss_start_mb": samples[0]["rss_mb"], "rss_window_start_mb": half["rss_mb"],
+            "plateau_window_s": window, "rss_end_mb": samples[-1]["rss_mb"], "rss_idle_after_mb": idle_rss,
+            "window_growth": growth, "rss_plateaus": growth < args.plateau_limit,
             "blocks_all_free_after": m["kvforge_kv_blocks_free"] == m["kvforge_kv_blocks_total"],
             "counts": traffic.counts, "error_samples": traffic.error_samples,
         }
-        print(f"\nRSS {verdict['rss_start_mb']:.0f} -> {verdict['rss_half_mb']:.0f} (half-way) -> "
-              f"{verdict['rss_end_mb']:.0f} MB; second-half growth {growth:+.1%}: "
+        print(f"\nRSS {verdict['rss_start_mb']:.0f} -> {verdict['rss_window_start_mb']:.0f} (at t={half['t']:.0f} s) -> "
+              f"{verdict['rss_end_mb']:.0f} MB; growth over the last {window:.0f} s {growth:+.1%} "
+              f"(limit {args.plateau_limit:.0%}): "
               f"{'plateaus' if verdict['rss_plateaus'] else 'STILL GROWING'}")
         print(f"KV blocks all free after the run: {verdict['blocks_all_free_after']}; "
               f"requests ok={traffic.counts['ok']} aborted={traffic.counts['aborted']} errors={traffic.counts['errors']}")

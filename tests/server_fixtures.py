@@ -18,11 +18,13 @@ def tiny_model_dir(tmp_path_factory, family: str = "llama_gqa") -> str:  # type:
     return path
 
 
-def start_server(model_dir: str, api_key: str | None = None, **engine_kwargs: object) -> BackgroundServer:
+def start_server(model_dir: str, api_key: str | None = None, app_kwargs: dict | None = None,
+                 **engine_kwargs: object) -> BackgroundServer:
     kwargs: dict = dict(num_kv_blocks=256, max_model_len=256, max_num_seqs=64, log_ledger=False)
     kwargs.update(engine_kwargs)
     engine = LLMEngine(EngineArgs(model=model_dir, **kwargs))
-    return BackgroundServer(engine, model_name=MODEL_NAME, api_key=api_key, max_request_bytes=64 * 1024).start()
+    return BackgroundServer(engine, model_name=MODEL_NAME, api_key=api_key, max_request_bytes=64 * 1024,
+                            **(app_kwargs or {})).start()
 
 
 def on_engine(srv: BackgroundServer, fn):  # type: ignore[no-untyped-def]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ["kvforge.ledger", "kvforge.envs", "kvforge.hf_config", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.interface", "kvforge.kv.stats",
+PURE = ["kvforge.ledger", "kvforge.envs", "kvforge.kv.salt", "kvforge.hf_config", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.interface", "kvforge.kv.stats",
         "kvforge.kv.group_manager", "kvforge.kv.coordinator", "kvforge.kv.contiguous", "kvforge.kv.utilization",
         "kvforge.kv.explain", "kvforge.kv.block_map", "kvforge.kv.events", "kvforge.engine.scheduler", "kvforge.engine.request", "kvforge.engine.sampling_params"]
 

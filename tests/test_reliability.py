@@ -300,7 +300,7 @@ def test_drain_finishes_short_requests_and_ends_long_streams_cleanly(model_dir):
             longs = [f.result(30) for f in futs]
             shorts = short.result(30)
         assert health.status_code == 503 and health.json()["error"]["code"] == "draining"
-        assert refused.status_code == 503
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"  # as /health says
         assert shorts[-1] == "[DONE]" and json.loads(shorts[-2])["choices"][0]["finish_reason"] == "length"
         for events in longs:
             assert events[-1] == "[DONE]"

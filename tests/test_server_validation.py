@@ -141,7 +141,8 @@ def test_oversized_body_is_413(http):
     r = http.post("/v1/completions", json={**OK_COMPLETION, "prompt": "x" * (70 * 1024)})
     _expect(r, 413, None, "limit")
     # a chunked upload (no Content-Length) is cut off at the limit too
-    r = http.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * (70 * 1024), b'"}']))
+    r = http.post("/v1/completions", content=iter([b'{"prompt": "', b"x" * (70 * 1024), b'"}']),
+                  headers={"content-type": "application/json"})
     _expect(r, 413, None, "limit")
     _still_serves(http)
 

@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from kvforge.server.lifecycle import DrainingServer, ServerLimits, uvicorn_config
 
     server = server_config_from_cli(args)
+    if server.cache_salt_from_api_key and not resolve_api_key(server.api_key):
+        raise ValueError("--cache-salt-from-api-key needs --api-key (or KVFORGE_API_KEY): one key per tenant")
     engine_config = engine_args_from_cli(args)  # validates the engine flags before the slow model load
     if server.replicas is not None:
         return _run_replicas(server, engine_config)
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                           server.shutdown_timeout)
     engine = AsyncEngine(LLMEngine(engine_config), max_waiting_requests=server.max_waiting_requests).start()
     app = build_app(engine, name, api_key=resolve_api_key(server.api_key), max_request_bytes=server.max_request_bytes,
-                    body_timeout=server.body_timeout)
+                    body_timeout=server.body_timeout, cache_salt_from_api_key=server.cache_salt_from_api_key)
     uv = DrainingServer(uvicorn_config(app, limits, host=server.host, port=server.port, log_level=server.log_level),
                         engine, limits.shutdown_timeout)
     print(f"kvforge serve: '{name}' on http://{server.host}:{server.port}/v1", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import sys
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,6 +35,8 @@ from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.storage.build import make_layer_caches
 from kvforge.kv.contiguous import make_coordinator
+from kvforge.kv.salt import check_cache_salt
+from kvforge.kv.tiers.tiers import flush_tiers_at_exit
 from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv
 from kvforge.models.linear import pack_linear_weights
@@ -184,6 +187,8 @@ class LLMEngine:
         self.kv.attach_tiers(tiers)
         self.runner.attach_tiers(tiers, mover)
         self.tiers = tiers
+        # a script that ends without close() still writes its cached prefixes (at exit or when collected)
+        self._tier_finalizer = weakref.finalize(self, flush_tiers_at_exit, tiers, mover, self.kv)
         self.report.tiers = ledger_rows(tiers, mover.block_nbytes, block_size)
         if self.config.log_ledger:
             print("\n".join(f"  {k:<18}  {v}" for k, v in self.report.tiers), file=sys.stderr, flush=True)
@@ -196,8 +201,13 @@ class LLMEngine:
         """
         if self.tiers is None:
             return
-        self.tiers.flush(self.runner.mover, self.kv.take_block_exports() + self.kv.cached_block_exports())
-        self.tiers.close()
+        self._tier_finalizer()  # runs once: a later close() or the exit hook does nothing more
+
+    def abandon_tiers(self) -> None:
+        """The engine broke (or its thread is stuck): no exit flush of the device's blocks; the tiers keep
+        what completed steps wrote."""
+        if self.tiers is not None:
+            self._tier_finalizer.detach()
 
     def tier_stats(self) -> dict[str, dict[str, float]]:
         """Per-tier counters (hits/queries in tokens, bytes, load time, evictions); empty without tiers."""
@@ -223,6 +233,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; bad input raises ValueError and leaves the engine untouched."""
         params = params or SamplingParams()
+        cache_salt = check_cache_salt(cache_salt)  # tenant isolation: a bad salt is refused, never hashed
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string (or pass prompt_token_ids)")
@@ -326,6 +337,8 @@ class LLMEngine:
         )
         sampled = {rid: r.token_id for rid, r in results.items()}
         advanced = self.scheduler.update(sched_out, sampled)
+        if self.tiers is not None:  # write-through: the blocks this step cached leave now, not at the next step
+            self.tiers.sync(self.runner.mover, self.kv.take_block_exports())
         if self.eviction is not None:
             for req in sched_out.preempted:  # recompute starts over: scores go with the blocks
                 self.eviction.release(req.request_id)

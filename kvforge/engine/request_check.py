@@ -64,7 +64,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
             f"{limits.max_seq_len}: at most {room} new tokens fit", "max_tokens", "context_length_exceeded")
     if params.num_samples > limits.max_num_seqs:
         name = "best_of" if params.best_of else "n"
-        raise RequestRejected(f"{name}={params.num_samples} exceeds max_num_seqs={limits.max_num_seqs}", name)
+        raise RequestRejected(f"{name} must be an integer in [1, max_num_seqs={limits.max_num_seqs}], "
+                              f"got {params.num_samples}", name)
     for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids", params.allowed_token_ids or [])):
         bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
         if bad:

@@ -229,7 +229,16 @@ class KVCacheCoordinator:
             m.begin_step()
 
     def finish_step(self) -> None:
-        """The step ran: the blocks it published hold their K/V and may be hit from now on."""
+        """The step ran: the blocks it published hold their K/V and may be hit from now on.
+
+        With a disk tier they are also queued for it at once (write-through), so a process that
+        exits without `close()` or is killed leaves them on disk (kvforge/kv/tiers/tiers.py)."""
+        if self.tiers is not None and self.tiers.disk is not None:
+            m = self.managers[0]  # tiers: one full-attention group (attach_tiers)
+            for block_id in sorted(m.filling or ()):
+                block = m.pool.blocks[block_id]
+                if block.block_hash is not None and block.token_ids is not None and self.tiers.accepts_write_through():
+                    self.exports.append(KVExport(block_id, block.block_hash, block.token_ids, durable=True))
         for m in self.managers:
             m.finish_step()
 

@@ -103,12 +103,14 @@ class KVLoad:
 @dataclass(frozen=True)
 class KVExport:
     """Tiers: copy device block `block_id` (holding `token_ids`, hashed `block_hash`) down to the tiers
-    before anything overwrites it; `swap`: a preempted request's block, kept in host memory only."""
+    before anything overwrites it; `swap`: a preempted request's block, kept in host memory only;
+    `durable`: a block just cached, written through to the disk tier only (it stays on the device)."""
 
     block_id: int
     block_hash: BlockHash
     token_ids: tuple[int, ...]
     swap: bool = False
+    durable: bool = False
 
 
 class SecondaryKVCache(Protocol):

@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -27,8 +28,10 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvforge.server.async_engine import AsyncEngine
-from kvforge.server.auth import check_bearer
+from kvforge.kv.salt import combine_salts
+from kvforge.server.auth import check_bearer, split_api_keys
 from kvforge.server.config import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+from kvforge.server.guards import install_guards, tenant_salt
 from kvforge.server.kv_map import add_kv_map_routes
 from kvforge.server.metrics import CONTENT_TYPE
 from kvforge.server.openapi import openapi_schema
@@ -153,18 +156,24 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | Sequence[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              body_timeout: float | None = DEFAULT_BODY_TIMEOUT) -> FastAPI:
-    """The ASGI app; `engine` must be started (and is shut down by the caller, not here)."""
+              body_timeout: float | None = DEFAULT_BODY_TIMEOUT, cache_salt_from_api_key: bool = False) -> FastAPI:
+    """The ASGI app; `engine` must be started (and is shut down by the caller, not here).
+
+    `api_key`: one key, or several ("k1,k2" or a list); every route but /health then needs one
+    (kvforge/server/guards.py). `cache_salt_from_api_key`: each key is its own tenant's cache_salt."""
+    api_keys = split_api_keys(api_key)
+    if cache_salt_from_api_key and not api_keys:
+        raise ValueError("cache_salt_from_api_key needs api_key (one key per tenant)")
     app = FastAPI(title="kvforge", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     serving = OpenAIServing(engine, model_name)
     app.state.engine, app.state.serving = engine, serving
     created = int(time.time())
 
-    async def authorized(request: Request) -> None:
-        if api_key is not None:
-            check_bearer(request.headers.get("authorization"), api_key)
+    async def authorized(request: Request) -> None:  # RequireAPIKey guards every route already; kept per route
+        if api_keys:
+            check_bearer(request.headers.get("authorization"), api_keys)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -185,8 +194,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return _error(APIError(str(exc.detail), status=exc.status_code, code=None))
 
     app.add_middleware(InternalErrors)
+    install_guards(app, api_keys, cache_salt_from_api_key)
 
     async def generate(request: Request, req: GenerationRequest) -> Response:
+        req.cache_salt = combine_salts(tenant_salt(request), req.cache_salt)
         base, subs = serving.prepare(req)
         group = await serving.submit(req, subs)
         if req.stream:
@@ -253,7 +264,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> JSONResponse:
-        return JSONResponse(openapi_schema(api_key is not None))
+        return JSONResponse(openapi_schema(bool(api_keys)))
 
-    add_kv_map_routes(app, engine, api_key)  # /kv, /kv/state, /kv/stream: the live KV block map
+    add_kv_map_routes(app, engine, api_keys or None)  # /kv, /kv/state, /kv/stream: the live KV block map
     return app

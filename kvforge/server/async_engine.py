@@ -90,6 +90,7 @@ class AsyncEngine:
             self._thread.join(timeout)
             stuck, self._thread = self._thread.is_alive(), None
             if stuck:  # the engine thread still holds the pool: no flush behind its back
+                self.engine.abandon_tiers()
                 log.warning("engine thread did not stop within %g s; KV tiers not flushed", timeout)
                 return
         self._flush_tiers()
@@ -98,6 +99,7 @@ class AsyncEngine:
         """KV tiers: the pool's cached prefix blocks to disk, so a restart serves them. Runs after the drain
         (lifecycle.DrainingServer) finished or failed every request and the engine thread stopped."""
         if self.error is not None:
+            self.engine.abandon_tiers()
             return  # the engine broke mid-step: its blocks are not trusted; the tiers keep what they had
         try:
             self.engine.close()
@@ -171,7 +173,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         if self.draining:
             self.metrics.rejected("draining")
-            raise EngineDeadError("the server is shutting down")
+            raise EngineDeadError("the server is shutting down", code="draining")
 
     def _post(self, cmd: tuple) -> None:
         with self._inbox.cond:
@@ -194,7 +196,7 @@ class AsyncEngine:
                 self.on_fatal(exc)
             return
         self._drain_inbox(block=False)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError("the server is shutting down", code="draining"))
 
     def _step(self) -> None:
         """One engine step; a failure fails only the requests that step held, unless the engine itself broke."""
@@ -252,9 +254,10 @@ class AsyncEngine:
             self._pending -= len(group.subs)
         try:
             if self._stopping:
-                raise EngineDeadError("the server is shutting down")
+                raise EngineDeadError("the server is shutting down", code="draining")
             for s in group.subs:
-                self.engine.add_request(s.prompt, s.params, s.prompt_token_ids, request_id=s.request_id)
+                self.engine.add_request(s.prompt, s.params, s.prompt_token_ids, request_id=s.request_id,
+                                        cache_salt=s.cache_salt)
                 added.append(s.request_id)
         except Exception as exc:  # noqa: BLE001 - ValueError is the user's; anything else too, for this group
             for rid in added:  # bad input loses nothing: withdraw what this group queued

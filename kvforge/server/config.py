@@ -20,7 +20,11 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8000, "port to listen on")
     api_key: str | None = option(
-        None, "require 'Authorization: Bearer KEY' on every endpoint but /health (or set KVFORGE_API_KEY)")
+        None, "require 'Authorization: Bearer KEY' on every endpoint but /health (or set KVFORGE_API_KEY); "
+        "several keys: KEY1,KEY2")
+    cache_salt_from_api_key: bool = option(
+        False, "one API key per tenant: each request's cache_salt is derived from the key it sent, so tenants "
+        "never share KV blocks (device, host or disk); a client's own cache_salt refines it")
     served_model_name: str | None = option(None, "model id clients send (default: the model's name)")
     max_request_bytes: int = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies get HTTP 413")
     log_level: str = option("info", "server log level", choices=LOG_LEVELS)

@@ -111,7 +111,7 @@ class KVMapHub:
             await asyncio.sleep(max(self.interval, interval or 0.0))
 
 
-def add_kv_map_routes(app: FastAPI, engine: AsyncEngine, api_key: str | None,
+def add_kv_map_routes(app: FastAPI, engine: AsyncEngine, api_key: str | tuple[str, ...] | None,
                       hub: KVMapHub | None = None) -> KVMapHub:
     """Register the three routes on `app`; returns the hub (tests read its counters)."""
     hub = hub or KVMapHub(engine)

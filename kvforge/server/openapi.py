@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvforge.engine.sampling_params import SEED_MAX
+from kvforge.kv.salt import MAX_CACHE_SALT_CHARS
 
 _INT = {"type": "integer"}
 _BOOL = {"type": "boolean"}
@@ -17,7 +18,7 @@ _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minI
 
 _COMMON: dict[str, Any] = {
     "model": {"type": "string"},
-    "n": {"type": "integer", "minimum": 1, "maximum": 128},
+    "n": {"type": "integer", "minimum": 1, "description": "at most the server's max_num_seqs"},
     "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
     "stop": {"oneOf": [{"type": "string", "minLength": 1},
@@ -30,6 +31,8 @@ _COMMON: dict[str, Any] = {
     "seed": {"type": "integer", "minimum": 0, "maximum": SEED_MAX},
     "min_tokens": {"type": "integer", "minimum": 0},
     "ignore_eos": _BOOL,
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
+                   "description": "requests with different salts never share cached KV blocks"},
     "skip_special_tokens": _BOOL,
     "include_stop_str_in_output": _BOOL,
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "description": "OpenAI's, over generated tokens"},
@@ -107,6 +110,8 @@ def _generation(summary: str, request_ref: str) -> dict[str, Any]:
             "404": _json({"$ref": "#/components/schemas/Error"}, "unknown model"),
             "408": _json({"$ref": "#/components/schemas/Error"}, "the body did not arrive in time"),
             "413": _json({"$ref": "#/components/schemas/Error"}, "the body is too large"),
+            "415": _json({"$ref": "#/components/schemas/Error"},
+                         "the body is not application/json, or is compressed; error.param names the header"),
             "503": _json({"$ref": "#/components/schemas/Error"}, "queue full (Retry-After) or shutting down"),
         },
     }}

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvforge.kv.salt import check_cache_salt
+
 
 class APIError(Exception):
     """An error the client caused (or must see); rendered as {"error": {message, type, param, code}}."""
@@ -41,6 +43,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt's text (and logprobs) come first (kvforge/server/echo.py)
     prompt_logprobs: int | None = None  # vLLM's extension: top-k per prompt token in the response
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
+    cache_salt: str | None = None  # tenant isolation: enters the block hash chain (kvforge.kv.salt)
 
 
 # field -> (accepted types, rule shown in the error)
@@ -82,10 +85,12 @@ def _common(body: dict, kind: str) -> GenerationRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     req = GenerationRequest(kind=kind, model=_get(body, "model", (str,), "a string"))
-    req.n = _get(body, "n", (int,), "an integer", 1)
-    if req.n < 1 or req.n > 128:
-        raise APIError(f"'n' must be in [1, 128], got {req.n}", param="n")
+    req.n = _get(body, "n", (int,), "an integer", 1)  # its range is the engine's (max_num_seqs): one message
     req.stream = _get(body, "stream", (bool,), "a boolean", False)
+    try:
+        req.cache_salt = check_cache_salt(body.get("cache_salt"), "'cache_salt'")
+    except ValueError as exc:
+        raise APIError(str(exc), param="cache_salt") from None
     opts = body.get("stream_options")
     if opts is not None:
         if not req.stream:
@@ -137,7 +142,7 @@ def parse_completion_request(body: Any) -> GenerationRequest:
             "'prompt' must be a non-empty string, a list of token ids, or a list of those, "
             f"got {_show(prompt)}", param="prompt",
         )
-    if len(req.prompts) * req.n > 256:
+    if len(req.prompts) > 1 and len(req.prompts) * req.n > 256:  # one prompt: n is bounded by max_num_seqs
         raise APIError(f"{len(req.prompts)} prompts x n={req.n} exceeds 256 completions per request", param="prompt")
     req.echo = _get(body, "echo", (bool,), "a boolean", False)
     req.max_tokens = _max_tokens(body, "max_tokens", allow_zero=req.echo)  # 0 + echo: score the prompt only

@@ -23,7 +23,14 @@ class Aborts(Protocol):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine cannot take this request: it stopped after an internal error, or the server is shutting down."""
+    """The engine cannot take this request: it stopped after an internal error, or the server is shutting down.
+
+    `code` is the error code the client sees; a drain says `draining`, as /health does.
+    """
+
+    def __init__(self, message: str, code: str = "engine_unavailable") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class ServerBusyError(RuntimeError):
@@ -42,6 +49,7 @@ class SubRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 class RequestGroup:

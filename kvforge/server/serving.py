@@ -52,7 +52,7 @@ class OpenAIServing:
                 self.engine.engine.check_request(ids, params, strict_max_tokens=True)
             except RequestRejected as exc:
                 raise _rejected(exc, field) from exc
-            subs.append(SubRequest(f"{base}-{p}", text, ids, params))
+            subs.append(SubRequest(f"{base}-{p}", text, ids, params, req.cache_salt))
         return base, subs
 
     def _tokenize(self, req: GenerationRequest) -> list[tuple[str | None, list[int]]]:
@@ -235,7 +235,7 @@ def _short(exc: BaseException) -> str:
 
 
 def _unavailable(exc: EngineDeadError) -> APIError:
-    return APIError(str(exc), status=503, type="server_error", code="engine_unavailable")
+    return APIError(str(exc), status=503, type="server_error", code=exc.code)
 
 
 def _usage(subs: list[SubRequest], finals: dict[int, RequestOutput], scored_only: bool = False) -> dict:

@@ -22,6 +22,7 @@ import torch
 
 from kvforge.engine.errors import EngineFatal
 from kvforge.engine.model_runner import ModelRunner
+from kvforge.engine.parallel.start import main_module_hidden
 
 
 class RankFailure(EngineFatal):
@@ -68,14 +69,15 @@ class TensorParallelExecutor:
         port = int(os.environ.get("MASTER_PORT") or _free_port(host))
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
-        for rank in range(self.world):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_entry, args=(rank, self.world, host, port, config, child, self.timeout),
-                            name=f"kvforge-tp{rank}", daemon=True)
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
+        with main_module_hidden():  # a script without a main guard is not re-run in every rank (start.py)
+            for rank in range(self.world):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker_entry, args=(rank, self.world, host, port, config, child,
+                                                            self.timeout), name=f"kvforge-tp{rank}", daemon=True)
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         # loading can take much longer than a step: the first answer gets a generous deadline
         self.rank_info: list[dict] = self._gather(max(self.timeout, 600.0), "start-up")

@@ -13,7 +13,12 @@ disks mount noatime), start-up scans the directory oldest first. Each process
 bounds the files it knows; another process's new files are found on lookup.
 
 Writes run on one background thread so a step never waits for the disk; a block
-whose write is still queued is served from memory.
+whose write is still queued is served from memory. Blocks are written through as
+they become cached (KVTiers.write_through), within `write_budget` bytes queued, so
+a plain script that exits without `close()` or a SIGKILLed server keeps its
+prefixes (docs/security.md has the measurement behind this choice). A killed
+writer leaves at most a temporary file, never a partial `.kvb`; a temporary file
+whose writer process is gone is removed at the next start-up.
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ from kvforge.kv.tiers.lru import LRUIndex
 MAGIC = b"KVFORGE-KVB\x00"
 _FIXED = struct.Struct("<II")  # version, header length
 SUFFIX = ".kvb"
+TMP_MARK = ".tmp-"  # `<key>.kvb.tmp-<pid>-<random>` while a write is in flight
+DEFAULT_WRITE_BUDGET = 64 << 20  # bytes queued for the writer before write-through skips blocks
 
 
 def check_directory(path: str, flag: str = "kv_disk_cache") -> str:
@@ -77,12 +84,15 @@ def decode_file(blob: bytes, namespace: bytes, key: bytes, token_ids: Sequence[i
 class DiskTier:
     name = "disk"
 
-    def __init__(self, directory: str, capacity_bytes: int, namespace: bytes, background: bool = True) -> None:
+    def __init__(self, directory: str, capacity_bytes: int, namespace: bytes, background: bool = True,
+                 write_budget: int = DEFAULT_WRITE_BUDGET) -> None:
         self.directory = check_directory(directory)
         self.namespace = namespace
         self.index: LRUIndex[None] = LRUIndex(capacity_bytes)
         self.lock = threading.Lock()
         self.pending: dict[bytes, tuple[tuple[int, ...], bytes]] = {}  # queued writes, served from memory
+        self.write_budget = write_budget  # write-through stops queueing past this many bytes (0: off)
+        self.queued_bytes = 0  # payload bytes in `pending`
         self.bytes_written = self.bytes_read = self.num_corrupt = 0
         self._scan()
         self.queue: queue.Queue[bytes | None] | None = None
@@ -109,7 +119,9 @@ class DiskTier:
         for root, _, files in os.walk(self.directory):
             for name in files:
                 full = os.path.join(root, name)
-                if name.endswith(SUFFIX):
+                if TMP_MARK in name and _writer_gone(name):
+                    self._unlink(full)  # a write its process never finished (killed): never a .kvb
+                elif name.endswith(SUFFIX):
                     try:
                         st = os.stat(full)
                     except OSError:
@@ -181,7 +193,9 @@ class DiskTier:
         if self.queue is None:
             self._write(key, tuple(token_ids), payload)
             return
-        self.pending[key] = (tuple(token_ids), payload)
+        with self.lock:
+            self.pending[key] = (tuple(token_ids), payload)
+            self.queued_bytes += len(payload)
         self.queue.put(key)
 
     def _writer(self) -> None:
@@ -196,7 +210,9 @@ class DiskTier:
                 if item is not None:
                     self._write(key, *item)
             finally:
-                self.pending.pop(key, None)
+                with self.lock:
+                    done = self.pending.pop(key, None)
+                    self.queued_bytes -= len(done[1]) if done is not None else 0
                 self.queue.task_done()
 
     def _write(self, key: bytes, token_ids: tuple[int, ...], payload: bytes) -> None:
@@ -204,7 +220,7 @@ class DiskTier:
         if not self._admit(key, len(blob)):
             return  # larger than the whole tier
         path = self.path(key)
-        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = f"{path}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "wb") as f:
@@ -227,6 +243,20 @@ class DiskTier:
             self.queue.put(None)
             self.thread.join(timeout=10)
             self.queue = None
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the process that named this temporary file has exited (so the file is abandoned)."""
+    try:
+        pid = int(name.split(TMP_MARK, 1)[1].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (ValueError, IndexError):
+        return True  # not a name this tier writes
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False  # its writer still runs (a live process, or a pid reused: the file is kept)
 
 
 def measure_read_bandwidth(directory: str, nbytes: int) -> float:

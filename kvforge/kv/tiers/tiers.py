@@ -60,6 +60,12 @@ class KVTiers:
         return [t.name for t in self.tiers]
 
     # ---- manager side (pure bookkeeping) -------------------------------------------------------
+    def accepts_write_through(self) -> bool:
+        """Whether a block just cached goes to the disk tier now (`KVExport.durable`): not while the disk is
+        behind by more than its write budget (`DiskTier.write_budget`); a skipped block still goes at
+        eviction or at exit."""
+        return self.disk is not None and self.disk.queued_bytes < self.disk.write_budget
+
     def lookup(self, request_id: str, block_hash: bytes, token_ids: Sequence[int]) -> TierHit | None:
         """The fastest tier holding this block under this namespace, with its token ids confirmed."""
         key, tokens = tier_key(self.namespace, block_hash), tuple(token_ids)
@@ -120,10 +126,10 @@ class KVTiers:
         jobs, seen = [], set()
         for e in exports:
             key = tier_key(self.namespace, e.block_hash)
-            to_host = self.host is not None and not self.host.contains(key)
+            to_host = self.host is not None and not e.durable and not self.host.contains(key)
             to_disk = self.disk is not None and not e.swap and not self.disk.contains(key)
-            if (to_host or to_disk) and key not in seen:
-                seen.add(key)
+            if (to_host or to_disk) and (key, to_host) not in seen:
+                seen.add((key, to_host))
                 jobs.append((e.block_id, key, e.token_ids, to_host, to_disk, e.swap))
         if not jobs:
             return
@@ -186,3 +192,15 @@ class KVTiers:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+
+
+def flush_tiers_at_exit(tiers: KVTiers, mover: Any, kv: Any) -> None:
+    """Write every cached device block to the tiers, wait for the disk, stop its writer (`LLMEngine.close`).
+
+    Registered with `weakref.finalize`, so it also runs at interpreter exit and when an engine is collected:
+    the finalizer holds these three objects, never the engine. A step cut off mid-way (Ctrl-C) left
+    blocks published but unwritten; they lose their hash first, so no tier ever stores them.
+    """
+    kv.discard_unwritten()
+    tiers.flush(mover, kv.take_block_exports() + kv.cached_block_exports())
+    tiers.close()
