@@ -24,6 +24,7 @@ from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.request_check import RequestLimits, check_request
 from kvforge.engine.scheduler import Scheduler, SchedulerOutput
+from kvforge.engine.structured.manager import StructuredOutputManager
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.cache_factory import make_layer_caches
@@ -143,6 +144,7 @@ class LLMEngine:
             self.report: StartupReport = build_startup_report(
                 self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
             )
+        self.structured = self.runner.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
         self.eviction: EvictionTracker | None = None
         if config.eviction_config.enabled:  # refused with tensor parallelism (EngineConfig)
             check_eviction_supported(cfg, len(groups))
@@ -224,6 +226,7 @@ class LLMEngine:
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
         req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.n,
                       kv_budget=self._kv_budget(params))
+        self.structured.add(req)  # a bad constraint raises here, before anything is queued
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt)
         self.samples[request_id] = [req]
@@ -293,6 +296,7 @@ class LLMEngine:
             if chunk.forks:
                 self.samples[chunk.request.group_id].extend(chunk.forks)
                 self.outputs.fork(chunk.forks)
+                self.structured.fork(chunk.request, chunk.forks)
         results = self.runner.execute(sched_out)
         self.kv_usage.observe(self.kv, *stored_after_step(self.scheduler.running, sched_out.chunks))
         self.counters.num_steps += 1
@@ -311,6 +315,8 @@ class LLMEngine:
         self.counters.num_generation_tokens += len(advanced)
         completions = []
         for req in advanced:
+            if self.structured.advance(req) and not req.is_finished:  # the grammar is complete
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             completion, stop_hit = self.outputs.process(req, results[req.request_id])
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -329,6 +335,7 @@ class LLMEngine:
 
     def _release(self, request_id: str) -> None:
         self.runner.release(request_id)
+        self.structured.release(request_id)
         if self.eviction is not None:
             self.eviction.release(request_id)
 

@@ -21,6 +21,7 @@ from kvforge.engine.request import Request
 from kvforge.engine.sampler import SampleResult, sample
 from kvforge.engine.sampling_params import sample_seed
 from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvforge.engine.structured.manager import StructuredOutputManager
 from kvforge.kv.cache_tensors import LayerKVCache
 
 
@@ -44,6 +45,7 @@ class ModelRunner:
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
         self.eviction: EvictionTracker | None = None  # set by the engine when KV eviction is on
+        self.structured: StructuredOutputManager | None = None  # set by the engine: the step's grammar masks
         self.default_generator = torch.Generator().manual_seed(seed)
         self.tiers: Any = None  # KV tiers (kvforge.kv.tiers): loads and evictions queued by the KV manager
         self.mover: Any = None
@@ -162,7 +164,8 @@ class ModelRunner:
             r.eos_token_ids if (r.num_output_tokens < r.sampling_params.min_tokens and not r.sampling_params.ignore_eos) else ()
             for r in sampling
         ]
-        results = sample(logits, params, gens, banned)
+        allowed = self.structured.fill(sampling) if self.structured is not None else None
+        results = sample(logits, params, gens, banned, allowed)
         return {r.request_id: res for r, res in zip(sampling, results)}
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
