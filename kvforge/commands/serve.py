@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
                           server.shutdown_timeout)
     engine = AsyncEngine(LLMEngine(engine_config), max_waiting_requests=server.max_waiting_requests).start()
     app = build_app(engine, name, api_key=resolve_api_key(server.api_key), max_request_bytes=server.max_request_bytes,
-                    body_timeout=server.body_timeout)
+                    body_timeout=server.body_timeout, tool_call_parser=server.tool_call_parser,
+                    reasoning_parser=server.reasoning_parser)
     uv = DrainingServer(uvicorn_config(app, limits, host=server.host, port=server.port, log_level=server.log_level),
                         engine, limits.shutdown_timeout)
     print(f"kvforge serve: '{name}' on http://{server.host}:{server.port}/v1", flush=True)

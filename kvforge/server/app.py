@@ -153,10 +153,11 @@ async def _wait_disconnect(request: Request) -> None:
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              body_timeout: float | None = DEFAULT_BODY_TIMEOUT) -> FastAPI:
+              body_timeout: float | None = DEFAULT_BODY_TIMEOUT, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The ASGI app; `engine` must be started (and is shut down by the caller, not here)."""
     app = FastAPI(title="kvforge", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, tool_call_parser, reasoning_parser)
     app.state.engine, app.state.serving = engine, serving
     created = int(time.time())
 

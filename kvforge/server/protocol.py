@@ -1,9 +1,10 @@
 """Request validation for the OpenAI-compatible API, with OpenAI-style error bodies.
 
 Bodies arrive as untrusted JSON, so every known field is type-checked here and
-a mistake becomes an `APIError` naming the field (`param`). Unknown fields are
-ignored, as OpenAI clients send extras. Values that need the tokenizer or the
-engine (prompt length, max_tokens fit) are checked later in serving.py.
+a mistake becomes an `APIError` naming the field (`param`). Unknown fields, and known
+ones kvforge does not implement, are refused (request_fields.py), so none is dropped in
+silence. Values that need the tokenizer or the engine (prompt length, max_tokens fit) are
+checked later in serving.py.
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None  # top-N to return per token; None = no logprobs
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
+    tools: Any = None  # chat: a ToolRequest (engine/chat_tools.py), or None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    include_reasoning: bool = True
+    shape: Any = None  # chat: how replies are read (server/chat_output.py), set by serving.prepare
 
 
 # field -> (accepted types, rule shown in the error)
@@ -76,6 +81,10 @@ def _show(v: Any) -> str:
 def _common(body: dict, kind: str) -> GenerationRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    from kvforge.server.request_fields import check_fields
+    from kvforge.server.structured_fields import parse_constraint
+
+    check_fields(body, kind)
     req = GenerationRequest(kind=kind, model=_get(body, "model", (str,), "a string"))
     req.n = _get(body, "n", (int,), "an integer", 1)
     if req.n < 1 or req.n > 128:
@@ -101,6 +110,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         v = _get(body, name, types, rule)
         if v is not None:
             sampling[name] = v
+    sampling["structured_outputs"] = parse_constraint(body)  # response_format, structured_outputs, guided_*
     req.sampling = {k: v for k, v in sampling.items() if v is not None}
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         v = _get(body, name, (int, float), "a number")
@@ -167,7 +177,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
                                param=f"messages[{i}].content")
             m = {**m, "content": "".join(p["text"] for p in content)}
             messages[i] = m
-        elif not isinstance(content, str):
+        elif not isinstance(content, str) and not (content is None and m.get("tool_calls")):
             raise APIError(f"'messages[{i}].content' must be a string, got {_show(content)}", param=f"messages[{i}].content")
     req.messages = messages
     req.add_generation_prompt = _get(body, "add_generation_prompt", (bool,), "a boolean", True)
@@ -181,12 +191,17 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if top is not None and not 0 <= top <= 20:
         raise APIError(f"'top_logprobs' must be in [0, 20], got {top}", param="top_logprobs")
     req.logprobs = (top or 0) if want else None
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise APIError(f"'{name}' (tool calling) is not supported by kvforge", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError("'response_format' other than {'type': 'text'} is not supported by kvforge", param="response_format")
+    from kvforge.server.tools import check_messages, parse_tools
+
+    check_messages(messages)
+    req.tools = parse_tools(body)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or {"messages", "tools", "add_generation_prompt"} & set(kwargs):
+            raise APIError("'chat_template_kwargs' must be an object of template variables (not messages, tools "
+                           "or add_generation_prompt)", param="chat_template_kwargs")
+        req.chat_template_kwargs = kwargs
+    req.include_reasoning = _get(body, "include_reasoning", (bool,), "a boolean", True)
     return req
 
 
