@@ -41,8 +41,8 @@ def _call(name: object, args: object) -> ParsedCall | None:
 
 
 def _content(text: str) -> str | None:
-    text = text.strip()
-    return text or None
+    """The text before the calls, as streamed (unstripped); None when it is only whitespace."""
+    return text if text.strip() else None
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
