@@ -25,7 +25,7 @@ from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.attention.cpu_paged import paged_attention_cpu
 from kvforge.attention.sdpa import paged_attention_sdpa
 from kvforge.attention.torch_ref import paged_attention
-from kvforge.kv.cache_tensors import DenseKVCache
+from kvforge.kv.storage.dense import DenseKVCache
 
 NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM, HEADS = 2048, 16, 3, 64, 9
 

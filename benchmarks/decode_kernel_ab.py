@@ -83,7 +83,7 @@ PREFILL_CHUNKS = [(0, 256), (0, 200), (37, 250), (100, 301)]  # (cached tokens, 
 
 def prefill_ab(libs: dict, args: argparse.Namespace) -> None:
     from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
-    from kvforge.kv.cache_tensors import DenseKVCache
+    from kvforge.kv.storage.dense import DenseKVCache
 
     pairs = sum(n * s + n * (n + 1) // 2 for s, n in PREFILL_CHUNKS)
     print(f"prefill, chunks (cached, new) {PREFILL_CHUNKS}, {args.layers} layers' caches per call, "

@@ -10,7 +10,7 @@ objects (`OutputProcessor.process` + `collect`). Then it measures the machine's 
 reads all weights once, so tok/s <= bandwidth / weight bytes. Finally it compares `LLM.generate`
 with driving `engine.step()` directly, per token.
 
-    python benchmarks/decode_profile.py --dtype float32 bfloat16 [--tokens 64] [--save benchmarks/results/decode_profile.txt]
+    python benchmarks/decode_profile.py --dtype float32 bfloat16 [--tokens 64] [--save benchmarks/results/YYYY-MM-DD_decode_profile.txt]
 
 The timers cost ~1 us per wrapped call (about 0.3 ms a step on the default model); the untimed
 step time is printed too, with the fused decode layers (`kvforge/models/decode_layers.py`: the whole
@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     ap.add_argument("--bandwidth-mib", type=int, default=1024, help="buffer summed to measure read bandwidth")
-    ap.add_argument("--save", default="benchmarks/results/decode_profile.txt")
+    ap.add_argument("--save", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}_decode_profile.txt")
     args = ap.parse_args()
     bw = read_bandwidth_gbs(args.bandwidth_mib)
     text = f"threads {torch.get_num_threads()}, read bandwidth {bw:.1f} GB/s\n"

@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--swap-requests", type=int, default=6)
     ap.add_argument("--swap-prompt", type=int, default=256)
     ap.add_argument("--swap-output", type=int, default=192)
-    ap.add_argument("--save", default=os.path.join(os.path.dirname(__file__), "results", "kv_tiers.json"))
+    ap.add_argument("--save", default=os.path.join(os.path.dirname(__file__), "results", time.strftime("%Y-%m-%d") + "_kv_tiers.json"))
     args = ap.parse_args()
 
     from kvforge import LLM

@@ -8,7 +8,7 @@ kvforge/evaluation/kvpress_referee.py):
 
     OMP_NUM_THREADS=1 python benchmarks/kvpress_referee.py --kvpress-python /path/kvpress-venv/bin/python
 
-Prints a table (and each prompt's 8 tokens) and saves it to benchmarks/results/kvpress_referee.txt.
+Prints a table (and each prompt's 8 tokens) and saves it to benchmarks/results/YYYY-MM-DD_kvpress_referee.txt.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="128,256", help="comma list of tokens kept")
     ap.add_argument("--passkey-prompts", type=int, default=6)
     ap.add_argument("--passkey-tokens", type=int, default=1100)
-    ap.add_argument("--save", default="benchmarks/results/kvpress_referee.txt")
+    ap.add_argument("--save", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}_kvpress_referee.txt")
     args = ap.parse_args()
     python = check_python(args.kvpress_python)
     budgets = [int(b) for b in args.budgets.split(",")]

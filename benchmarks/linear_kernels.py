@@ -13,7 +13,7 @@ rounds, best of each kept (other processes share the cores); GB/s is weight
 bytes / time, the decode bound being the machine's read bandwidth.
 
     python benchmarks/linear_kernels.py
-    python benchmarks/linear_kernels.py --panel --threads 1 2 [--save FILE]   # results/linear_kernels.txt, 2nd table
+    python benchmarks/linear_kernels.py --panel --threads 1 2 [--save FILE]   # results/2026-11-29_linear_kernels.txt, 2nd table
     python benchmarks/linear_kernels.py --panel --dtype bfloat16   # the bf16 panel kernel vs oneDNN bf16
     python benchmarks/linear_kernels.py --bf16-gemm --threads 2    # its GEMM tiles: vdpbf16ps vs fp32 FMAs
 

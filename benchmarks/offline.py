@@ -7,7 +7,7 @@ same dequantized weights), same dtype, same random-token workload:
   ignore_eos -> output tokens/s (transformers: one left-padded batch, run to the
   longest requested output, credited only with the requested tokens)
 
-    python benchmarks/offline.py --dtype float32 bfloat16 [--num-requests 32] [--repeats 1] [--save benchmarks/results/offline.json]
+    python benchmarks/offline.py --dtype float32 bfloat16 [--num-requests 32] [--repeats 1] [--save benchmarks/results/YYYY-MM-DD_offline.json]
 
 Each (engine, dtype) runs in a fresh Python process, so neither engine inherits the other's
 threads, allocator state or loaded libraries; with --repeats N each figure is the best of N.
@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="best of N runs per figure")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--save", default="benchmarks/results/offline.json")
+    ap.add_argument("--save", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}_offline.json")
     ap.add_argument("--one", nargs=2, metavar=("ENGINE", "DTYPE"), help=argparse.SUPPRESS)  # child process
     args = ap.parse_args()
     if args.one:

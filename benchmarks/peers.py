@@ -10,8 +10,8 @@ each in fp32 and bf16 weights, KV in the model dtype ("model") and in 8 bit ("8b
 OpenVINO u8; "fp8": kvforge fp8_e4m3 alone, OpenVINO's CPU cache has no fp8). Every (engine, dtype, kv,
 workload) runs in its own process.
 
-OpenVINO runs under another interpreter (it needs its own venv; see the recipe in README.md
-"Peer benchmark") and an exported model folder:
+OpenVINO runs under another interpreter (it needs its own venv; see the recipe in docs/benchmarks.md
+"Against OpenVINO GenAI") and an exported model folder:
 
     python benchmarks/peers.py --openvino-python /path/ovenv/bin/python --openvino-model /path/ov_fp32
     python benchmarks/peers.py --engines kvforge --workloads long batch --dtype bfloat16   # kvforge only
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=VOCAB, help="prompt ids are drawn below this")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds over every configuration; each row is its median run (noisy machines)")
-    ap.add_argument("--save", default="benchmarks/results/peers.json")
+    ap.add_argument("--save", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}_peers.json")
     ap.add_argument("--one", nargs=4, metavar=("ENGINE", "DTYPE", "KV", "WORKLOAD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:

@@ -23,7 +23,7 @@ import torch
 from kvforge.attention.cpu_paged import paged_attention_cpu
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.sdpa import paged_attention_sdpa
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 
 FORMATS = ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 

@@ -223,7 +223,7 @@ def main() -> None:
     ap.add_argument("--tp-batch", type=int, default=8)
     ap.add_argument("--tp-prompt-len", type=int, default=128)
     ap.add_argument("--tp-steps", type=int, default=16)
-    ap.add_argument("--out", default=os.path.join(ROOT, "results", "routing.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "results", time.strftime("%Y-%m-%d") + "_routing.json"))
     args = ap.parse_args()
     out = {"args": vars(args)}
     if not args.skip_routing:

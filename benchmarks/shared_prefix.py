@@ -6,7 +6,7 @@ submitted at once (offline), so time to first token is measured from arrival and
 includes queueing. The same engine runs the workload with prefix caching off and
 on (the cache is reset between runs and after a warm-up); outputs must match.
 
-    python benchmarks/shared_prefix.py [--model PATH] [--device cpu|cuda] [--save benchmarks/results/shared_prefix.json]
+    python benchmarks/shared_prefix.py [--model PATH] [--device cpu|cuda] [--save benchmarks/results/YYYY-MM-DD_shared_prefix.json]
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--save", default=os.path.join(os.path.dirname(__file__), "results", "shared_prefix.json"))
+    ap.add_argument("--save", default=os.path.join(os.path.dirname(__file__), "results", time.strftime("%Y-%m-%d") + "_shared_prefix.json"))
     args = ap.parse_args()
 
     from kvforge import LLM

@@ -10,7 +10,7 @@ idle and checks that every KV block is back in the pool.
 Drift verdict: RSS is said to plateau when the growth over the second half of the run is
 under 3% of the RSS at the half-way mark (the first half absorbs allocator warm-up).
 
-    python benchmarks/soak.py [--duration 1800] [--model PATH] [--clients 6] [--save benchmarks/results/soak.json]
+    python benchmarks/soak.py [--duration 1800] [--model PATH] [--clients 6] [--save benchmarks/results/YYYY-MM-DD_soak.json]
 """
 from __future__ import annotations
 

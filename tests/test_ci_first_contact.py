@@ -26,4 +26,4 @@ def test_ci_runs_the_readme_quick_start_in_a_fresh_venv():
 
 def test_ci_test_line_is_the_readme_test_command():
     ci_line = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci_line == "python -m " + _readme_command(1)
+    assert ci_line == _readme_command(1)

@@ -11,7 +11,7 @@ import torch
 from kvforge.attention import cpu_kernel
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.torch_ref import decode_attention
-from kvforge.kv.cache_tensors import DenseKVCache
+from kvforge.kv.storage.dense import DenseKVCache
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
 

@@ -15,7 +15,7 @@ from kvforge.attention.cpu_paged import kernel_views, paged_attention_cpu, reads
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.torch_ref import decode_attention
 from kvforge.kv import quant
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 from test_cpu_kernel import HAS_AVX512
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")

@@ -10,7 +10,7 @@ from kvforge.attention import cpu_kernel
 from kvforge.attention.cpu_paged import kernel_views, paged_attention_cpu
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.attention.torch_ref import gather_prefill_context, prefill_attention
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 from conftest import set_bf16_prefill_path
 from test_cpu_kernel import PREFILL_SPECS, needs_prefill_kernel
 from test_cpu_kernel_quant import FORMATS, GRANULARITIES

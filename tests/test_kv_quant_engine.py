@@ -15,8 +15,8 @@ import torch
 
 from conftest import assert_no_leaks
 from kvforge import LLM, SamplingParams
-from kvforge.kv.cache_tensors import DenseKVCache
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.dense import DenseKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 from kvforge.ledger import KVCacheFormat, kv_bytes_per_block
 
 GEN = 16

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvforge.kv import quant, quant_kernel
-from kvforge.kv.kv_stores import QuantStore
+from kvforge.kv.storage.k_or_v_stores import QuantStore
 
 pytestmark = pytest.mark.skipif(quant_kernel.LIBRARY.load() is None, reason=f"{quant_kernel.LIBRARY.error}")
 
@@ -68,7 +68,7 @@ def test_every_fp8_code_round_trips():
 def test_store_writes_through_the_kernel_and_reads_back(monkeypatch):
     calls = []
     real = quant_kernel.quantize_rows
-    monkeypatch.setattr("kvforge.kv.kv_stores.quantize_rows", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    monkeypatch.setattr("kvforge.kv.storage.k_or_v_stores.quantize_rows", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
     fmt = quant.get_format("int8")
     store = QuantStore(4, 16, 2, 64, fmt, "head", "cpu")
     x = torch.randn(5, 2, 64)

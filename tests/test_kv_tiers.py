@@ -13,9 +13,9 @@ import torch
 
 from conftest import assert_no_leaks
 from kvforge import LLM, SamplingParams
-from kvforge.kv.cache_tensors import DenseKVCache
-from kvforge.kv.latent_cache import LatentKVCache
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.dense import DenseKVCache
+from kvforge.kv.storage.mla_latent import LatentKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 from kvforge.kv.tiers.block_io import BlockMover, block_tensors
 from kvforge.kv.tiers.disk import DiskTier
 from kvforge.kv.tiers.host import HostTier

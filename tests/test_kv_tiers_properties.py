@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvforge.engine.request import Request
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.kv.cache_tensors import DenseKVCache
+from kvforge.kv.storage.dense import DenseKVCache
 from kvforge.kv.coordinator import KVCacheCoordinator
 from kvforge.kv.tiers.block_io import BlockMover
 from kvforge.kv.tiers.disk import DiskTier

@@ -15,7 +15,7 @@ from conftest import assert_no_leaks
 from kvforge import LLM, SamplingParams
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.attention.mla import mla_attention
-from kvforge.kv.latent_cache import LatentKVCache
+from kvforge.kv.storage.mla_latent import LatentKVCache
 from kvforge.ledger import KVShape, kv_bytes_per_token
 from tiny_models import hf_greedy
 
@@ -197,8 +197,7 @@ def test_latent_cache_roundtrip_and_refuses_kv_interface():
     cache.copy_blocks([(3, 2)])
     assert torch.equal(cache.latent[2], cache.latent[3])
     assert cache.nbytes == 4 * 2 * 8 * 4
-    with pytest.raises(TypeError, match="write_latent"):
-        cache.write(torch.tensor([0]), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8))
+    assert not hasattr(cache, "write") and not hasattr(cache, "gather")  # no K/V to store: latents only
     with pytest.raises(ValueError, match="kv_lora_rank"):
         LatentKVCache(4, 2, 0, 2, torch.float32)
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kvforge.config import ModelConfig
-from kvforge.kv.cache_factory import make_layer_caches
+from kvforge.kv.storage.build import make_layer_caches
 from kvforge.kv.quant import get_format, round_trip
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 from kvforge.ledger import KVCacheFormat, KVShape, kv_bytes_per_block
 
 BS, H, D = 4, 2, 8

@@ -69,7 +69,7 @@ def dense_view(t: torch.Tensor) -> PoolView:
 
 
 def store_view(store) -> PoolView | None:  # type: ignore[no-untyped-def]
-    """A `kvforge.kv.kv_stores` DenseStore or QuantStore as the kernel reads it (None: not readable)."""
+    """A `kvforge.kv.storage.k_or_v_stores` DenseStore or QuantStore as the kernel reads it (None: not readable)."""
     data = store.data
     if not data.is_contiguous() or data.device.type != "cpu":
         return None

@@ -19,8 +19,9 @@ from kvforge.attention import cpu_kernel
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.sdpa import prefill_attention_sdpa
 from kvforge.attention.torch_ref import prefill_attention
-from kvforge.kv.cache_tensors import DenseKVCache, LayerKVCache
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.dense import DenseKVCache
+from kvforge.kv.storage.layer_cache import LayerKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 
 
 def kernel_views(cache: LayerKVCache) -> tuple[cpu_kernel.PoolView | None, cpu_kernel.PoolView | None]:

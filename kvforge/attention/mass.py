@@ -24,7 +24,7 @@ import torch
 
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.torch_ref import attention_probs, gather_decode_context, gather_prefill_context
-from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.kv.storage.layer_cache import LayerKVCache
 
 QUERY_TILE = 256  # prefill queries scored at once: bounds the [heads, queries, keys] weights in memory
 

@@ -27,7 +27,7 @@ import torch
 
 from kvforge.attention import cpu_kernel, paged_attention
 from kvforge.attention.metadata import AttentionMetadata
-from kvforge.kv.latent_cache import LatentKVCache
+from kvforge.kv.storage.mla_latent import LatentKVCache
 
 
 class _AbsorbedView:

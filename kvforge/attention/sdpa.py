@@ -19,7 +19,7 @@ from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
 from kvforge.attention.torch_ref import (
     decode_attention, decodes_then_prefills, gather_decode_context, gather_prefill_context,
 )
-from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.kv.storage.layer_cache import LayerKVCache
 
 
 def paged_attention_sdpa(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kvforge.attention.metadata import AttentionMetadata, PrefillChunk
-from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.kv.storage.layer_cache import LayerKVCache
 
 
 def paged_attention(

@@ -26,7 +26,7 @@ import inspect
 import subprocess
 from typing import Any
 
-from kvforge.kv.kv_stores import QuantStore
+from kvforge.kv.storage.k_or_v_stores import QuantStore
 
 CALIBRATION_TOKENS = 256
 

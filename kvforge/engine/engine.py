@@ -27,7 +27,7 @@ from kvforge.engine.scheduler import Scheduler, SchedulerOutput
 from kvforge.engine.structured.manager import StructuredOutputManager
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.engine.calibration import calibrate_static_scales
-from kvforge.kv.cache_factory import make_layer_caches
+from kvforge.kv.storage.build import make_layer_caches
 from kvforge.kv.contiguous import make_coordinator
 from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv

@@ -22,7 +22,7 @@ from kvforge.engine.sampler import SampleResult, sample
 from kvforge.engine.sampling_params import sample_seed
 from kvforge.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvforge.engine.structured.manager import StructuredOutputManager
-from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.kv.storage.layer_cache import PagedLayerStorage
 
 
 def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -34,7 +34,7 @@ def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, caches: list[LayerKVCache], layer_groups: list[int], block_size: int,
+        self, model: torch.nn.Module, caches: list[PagedLayerStorage], layer_groups: list[int], block_size: int,
         device: torch.device, seed: int = 0, attention_backend: str = "auto",
     ) -> None:
         self.model, self.caches = model, caches

@@ -20,7 +20,7 @@ from typing import Any
 from kvforge.evaluation.kv_evict import EvictRow, found_key
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvpress_referee.py")
-ENABLE_HINT = ("install kvpress in its own venv (see `kvforge eval kv-evict --help` / README 'KV eviction') "
+ENABLE_HINT = ("install kvpress in its own venv (see `kvforge eval kv-evict --help` / docs/kv-eviction.md) "
                "and pass --kvpress-python VENV/bin/python")
 
 

@@ -29,8 +29,8 @@ from kvforge.attention import cpu_kernel
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.cpu_paged import kernel_views
 from kvforge.kv import quant_kernel
-from kvforge.kv.cache_tensors import DenseKVCache
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.dense import DenseKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 from kvforge.models import fused, panel_linear
 from kvforge.models.layers import GatedMLP
 from kvforge.models.linear import PANEL_DECODE_ROWS, Linear

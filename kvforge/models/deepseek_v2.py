@@ -6,7 +6,7 @@ Parameter names follow transformers' DeepseekV2ForCausalLM / DeepseekV3ForCausal
 `o_proj`; dense `mlp.*` for the first `first_k_dense_replace` layers, MoE after.
 
 What is cached per token per layer is the latent `[c_kv (after kv_a_layernorm),
-roped k_rope]` (kvforge.kv.latent_cache); attention is kvforge.attention.mla.
+roped k_rope]` (kvforge.kv.storage.mla_latent); attention is kvforge.attention.mla.
 
 RoPE is applied to the rope part only. DeepSeek-V2 (and V3 with `rope_interleave`)
 rotate interleaved pairs (x0, x1), (x2, x3), ... (transformers' V2 does it with
@@ -25,7 +25,7 @@ from torch import nn
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.mla import mla_attention, split_kv_b
 from kvforge.config import ModelConfig
-from kvforge.kv.latent_cache import LatentKVCache
+from kvforge.kv.storage.mla_latent import LatentKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, apply_rotary, rope_inv_freq
 from kvforge.models.linear import Linear
 from kvforge.models.llama import LlamaForCausalLM

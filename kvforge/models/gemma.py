@@ -23,7 +23,7 @@ from torch import nn
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention import paged_attention
 from kvforge.config import ModelConfig
-from kvforge.kv.cache_tensors import LayerKVCache
+from kvforge.kv.storage.layer_cache import LayerKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, per_layer_metadata
 from kvforge.models.linear import Linear
 from kvforge.models.llama import LlamaForCausalLM

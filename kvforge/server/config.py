@@ -32,7 +32,7 @@ class ServerConfig:
         choices=TOOL_CALL_PARSERS)
     reasoning_parser: str | None = option(
         None, "move <think>...</think> out of the content into reasoning_content", choices=REASONING_PARSERS)
-    # reliability (README: "Running in production"): timeouts, backpressure, drain
+    # reliability (docs/serving.md: "Running in production"): timeouts, backpressure, drain
     max_waiting_requests: int | None = option(
         None, "past this many queued requests, answer 503 with Retry-After (default: unbounded, as vLLM; set it to "
         "about max_num_seqs x the queue time you accept / the mean request time)")

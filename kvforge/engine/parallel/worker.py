@@ -71,7 +71,7 @@ class _Rank:
                 "device": str(self.device), "pid": os.getpid()}
 
     def make_caches(self, blocks_per_layer: list[int], layer_groups: list[int], fmt: Any, block_size: int) -> int:
-        from kvforge.kv.cache_factory import make_layer_caches
+        from kvforge.kv.storage.build import make_layer_caches
         from kvforge.engine.parallel.parallel_layers import kv_heads_of_rank
 
         cfg = self.cfg

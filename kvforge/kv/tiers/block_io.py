@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from kvforge.kv.cache_tensors import DenseKVCache
-from kvforge.kv.latent_cache import LatentKVCache
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.dense import DenseKVCache
+from kvforge.kv.storage.mla_latent import LatentKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 
 
 def block_tensors(cache: Any) -> list[torch.Tensor]:

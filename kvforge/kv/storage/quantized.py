@@ -1,6 +1,6 @@
 """QuantizedKVCache: a LayerKVCache whose K and V are stored in any mix of formats.
 
-K and V each get their own store (kvforge.kv.kv_stores): dense in a float
+K and V each get their own store (kvforge.kv.storage.k_or_v_stores): dense in a float
 dtype, or quantized (fp8 e4m3/e5m2, int8, int4 packed) with scales of the
 chosen granularity. Quantization happens in `write` (when the new K/V enter the
 cache) and dequantization in `gather` (when attention reads them back), so the
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kv.kv_stores import DenseStore, QuantStore
 from kvforge.kv.quant import get_format, is_quantized
+from kvforge.kv.storage.k_or_v_stores import DenseStore, QuantStore
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -7,8 +7,8 @@ head's key and value are linear images of the compressed `c_kv` (after
 against 2 x 128 heads x 128 dims = 32768 for the MHA it replaces).
 
 The layout is `[num_blocks, block_size, kv_lora_rank + rope_dim]`, latent first,
-rope part last, in the cache dtype (read back in the model's dtype). It does not offer `write(k, v)` /
-`gather -> (k, v)`: there is no K/V to store. MLA attention
+rope part last, in the cache dtype (read back in the model's dtype). It has no `write(k, v)` /
+`gather -> (k, v)` (it is a `PagedLayerStorage`, not a `LayerKVCache`): there is no K/V to store. MLA attention
 (`kvforge.attention.mla`) calls `write_latent` / `gather_latent` instead and
 shares the rest of the machinery (block tables, slot mapping, copy-on-write).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kv.cache_tensors import gather_blocks
+from kvforge.kv.storage.layer_cache import gather_blocks
 
 
 class LatentKVCache:
@@ -47,12 +47,6 @@ class LatentKVCache:
         b, nb = block_tables.shape
         flat = gather_blocks(self.latent, block_tables).view(b, nb * self.block_size, self.latent_dim).to(self.compute_dtype)
         return flat[..., : self.kv_lora_rank], flat[..., self.kv_lora_rank :]
-
-    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        raise TypeError("LatentKVCache stores MLA latents, not K/V: use write_latent (kvforge.attention.mla)")
-
-    def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise TypeError("LatentKVCache stores MLA latents, not K/V: use gather_latent (kvforge.attention.mla)")
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

@@ -10,16 +10,18 @@ from collections.abc import Sequence
 import torch
 
 from kvforge.config import SUPPORTED_DTYPES, ModelConfig, torch_dtype
-from kvforge.kv.cache_tensors import DenseKVCache, GatherWorkspace, LayerKVCache
-from kvforge.kv.latent_cache import LatentKVCache
 from kvforge.kv.quant import is_quantized
-from kvforge.kv.quantized_cache import QuantizedKVCache
+from kvforge.kv.storage.dense import DenseKVCache
+from kvforge.kv.storage.layer_cache import GatherWorkspace, PagedLayerStorage
+from kvforge.kv.storage.mla_latent import LatentKVCache
+from kvforge.kv.storage.quantized import QuantizedKVCache
 from kvforge.ledger import KVCacheFormat
+
 
 def make_layer_caches(
     cfg: ModelConfig, fmt: KVCacheFormat, num_blocks: int | Sequence[int], block_size: int, device: torch.device,
     compute_dtype: torch.dtype | None = None,
-) -> list[LayerKVCache]:
+) -> list[PagedLayerStorage]:
     """`compute_dtype` is the model's dtype: what attention reads back (None: the cache dtype).
 
     `num_blocks` is one count for every layer, or one per layer (hybrid models: each layer holds its

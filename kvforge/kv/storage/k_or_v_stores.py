@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from kvforge.kv.cache_tensors import gather_blocks
 from kvforge.kv.quant_kernel import quantize_rows
 from kvforge.kv.quant import (
     ABSMAX_FLOOR,
@@ -37,6 +36,7 @@ from kvforge.kv.quant import (
     expand_scale,
     quantize,
 )
+from kvforge.kv.storage.layer_cache import gather_blocks
 
 
 class DenseStore:
