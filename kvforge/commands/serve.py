@@ -75,6 +75,8 @@ def _run_replicas(server: ServerConfig, engine_config: EngineConfig) -> int:
 
     if resolve_api_key(server.api_key):
         raise ValueError("--api-key is not supported with --replicas yet; put the Ray Serve proxy behind your gateway")
+    if server.tool_call_parser or server.reasoning_parser:
+        raise ValueError("--tool-call-parser and --reasoning-parser are not supported with --replicas yet")
     try:
         from kvforge.distributed.ray_serve import run_replicas
     except ImportError as exc:
