@@ -320,7 +320,7 @@ def test_langchain_bind_tools_and_structured_output_return_parsed_objects(server
                       max_tokens=80, max_retries=0)
     msg = chat.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome?")
     [call] = msg.tool_calls
-    assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"} and call["id"]
+    assert call["name"] == "get_weather" and {"city", "unit"} <= set(call["args"]) and call["id"]
     msg = chat.bind_tools([get_weather], tool_choice="required").invoke("Weather in Rome?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
     for method in ("json_schema", "function_calling"):
