@@ -134,7 +134,7 @@ def envelope_constraint(tools: ToolRequest) -> StructuredOutputsParams:
     """The JSON envelope output is held to: calls only (required, named) or a call or a reply (generic auto)."""
     fns = tools.functions if tools.name is None else [f for f in tools.functions if f["name"] == tools.name]
     call_schemas = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                      "arguments": f.get("parameters") or {"type": "object"}},
+                                                      "arguments": _closed(f.get("parameters") or {"type": "object"})},
                      "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
     item = call_schemas[0] if len(call_schemas) == 1 else {"anyOf": call_schemas}
     calls: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
@@ -148,6 +148,15 @@ def envelope_constraint(tools: ToolRequest) -> StructuredOutputsParams:
                  "additionalProperties": False}
         schema = {"anyOf": [call_env, reply]}
     return StructuredOutputsParams(json=schema, field="tools")
+
+
+def _closed(schema: dict) -> dict:
+    """The arguments' schema with no properties beyond those it names, unless it says otherwise: every
+    document this allows is valid under the tool's schema, and a small model cannot wander off into
+    invented keys until max_tokens (OpenAI's strict mode closes objects the same way)."""
+    if "properties" in schema and "additionalProperties" not in schema:
+        return {**schema, "additionalProperties": False}
+    return schema
 
 
 def _arguments_object(arguments: Any) -> Any:

@@ -66,7 +66,7 @@ def check_fields(body: dict, kind: str) -> None:
             inert.append(name)
         else:
             route = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-            raise APIError(f"unknown field '{name}' for {route}", param=name, code="unknown_field")
+            raise APIError(f"unknown field {name!r} for {route}", param=name or '""', code="unknown_field")
     if inert:
         log.debug("request fields that change nothing, ignored: %s", ", ".join(inert))
 
