@@ -321,7 +321,7 @@ def test_langchain_bind_tools_and_structured_output_return_parsed_objects(server
     msg = chat.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome?")
     [call] = msg.tool_calls
     assert call["name"] == "get_weather" and {"city", "unit"} <= set(call["args"]) and call["id"]
-    msg = chat.bind_tools([get_weather], tool_choice="required").invoke("Weather in Rome?")
+    msg = chat.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False).invoke("Weather in Rome?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
     for method in ("json_schema", "function_calling"):
         person = chat.with_structured_output(Person, method=method).invoke("Invent a person.")
