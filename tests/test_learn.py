@@ -79,6 +79,18 @@ def test_learn_paging_quick(tiny_model_factory, capsys):
     assert util["paged"] > 80 > util["contiguous"]
 
 
+def test_learn_paging_serve_runs_both_modes_through_a_server(tiny_model_factory, capsys):
+    path, _ = tiny_model_factory("llama_gqa")
+    assert main(["learn", "paging", "--serve", "--quick", "--port", "0", "--pause", "0", "--model", path,
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"open http://127\.0\.0\.1:\d+/kv", out)
+    runs = {m.group(1): (float(m.group(2)), int(m.group(3))) for m in re.finditer(
+        r"^  (contiguous|paged): .* KV utilization ([\d.]+)%, peak (\d+) sequences", out, re.M)}
+    assert runs["paged"][0] > runs["contiguous"][0] and runs["paged"][1] > runs["contiguous"][1]
+    assert main(["learn", "paging", "--serve", "--rounds", "0"]) == 2
+
+
 def test_learn_bad_input(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["learn", "why-cache", "--contexts", "64,x"])

@@ -6,7 +6,7 @@ import sys
 
 PURE = ["kvforge.ledger", "kvforge.hf_config", "kvforge.config", "kvforge.kv.hashing", "kvforge.kv.blocks", "kvforge.kv.interface", "kvforge.kv.stats",
         "kvforge.kv.group_manager", "kvforge.kv.coordinator", "kvforge.kv.contiguous", "kvforge.kv.utilization",
-        "kvforge.kv.explain", "kvforge.engine.scheduler", "kvforge.engine.request", "kvforge.engine.sampling_params"]
+        "kvforge.kv.explain", "kvforge.kv.block_map", "kvforge.kv.events", "kvforge.engine.scheduler", "kvforge.engine.request", "kvforge.engine.sampling_params"]
 
 
 def test_pure_logic_modules_do_not_import_torch():

@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "learn prefill-vs-decode": "kvforge.commands.learn_prefill_vs_decode",
     "learn paging": "kvforge.commands.learn_paging",
     "eval kv-evict": "kvforge.commands.eval_evict",
+    "top": "kvforge.commands.top",
 }
 
 GROUPS: dict[str, str] = {

@@ -44,6 +44,12 @@ def add_demo_arguments(d: argparse.ArgumentParser, name: str) -> None:
     if name == "paging":
         d.add_argument("--num-requests", type=int, default=None, help="requests in the workload")
         d.add_argument("--max-model-len", type=int, default=None, help="what contiguous mode reserves per sequence")
+        d.add_argument("--serve", action="store_true",
+                       help="run the workload through a server and watch it at /kv (contiguous, then paged, in rounds)")
+        d.add_argument("--port", type=int, default=8000, help="--serve: the server's port (0: any free port)")
+        d.add_argument("--rounds", type=int, default=None, help="--serve: rounds of both modes (default: until Ctrl-C; "
+                       "--quick: 1)")
+        d.add_argument("--pause", type=float, default=5.0, help="--serve: seconds to look between the modes")
 
 
 def run_demo(module_name: str, args: argparse.Namespace) -> int:

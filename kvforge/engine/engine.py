@@ -23,6 +23,7 @@ from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.request_check import RequestLimits, check_request
+from kvforge.engine.kv_map import KVMapObserver
 from kvforge.engine.scheduler import Scheduler, SchedulerOutput
 from kvforge.engine.structured.manager import StructuredOutputManager
 from kvforge.engine.startup_report import StartupReport, build_startup_report
@@ -122,6 +123,7 @@ class LLMEngine:
         self.kv = make_coordinator(groups, cache_cfg.block_size, cache_cfg.enable_prefix_caching,
                                    cache_cfg.kv_allocation, max_model_len)
         self.kv_usage = KVUtilizationStats()  # tokens stored / slots allocated, measured every step
+        self.kv_map = KVMapObserver()  # the live block map's events and snapshots (/kv, kvforge top)
         self.pool = self.kv.pool
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
@@ -298,6 +300,7 @@ class LLMEngine:
                 self.outputs.fork(chunk.forks)
                 self.structured.fork(chunk.request, chunk.forks)
         results = self.runner.execute(sched_out)
+        self.kv_map.after_step(sched_out, self)
         self.kv_usage.observe(self.kv, *stored_after_step(self.scheduler.running, sched_out.chunks))
         self.counters.num_steps += 1
         self.counters.num_prompt_tokens += sum(
@@ -310,6 +313,7 @@ class LLMEngine:
                 self.eviction.release(req.request_id)
             for req in advanced:  # caught up with its tokens: cut to the budget (the prompt once, then a block at a time)
                 evicted = self.eviction.enforce(req)
+                self.kv_map.on_evict(req, evicted, self.config.eviction_config.kv_eviction)
                 self.counters.num_evicted_blocks += evicted
                 self.counters.num_evicted_tokens += evicted * self.kv.block_size
         self.counters.num_generation_tokens += len(advanced)

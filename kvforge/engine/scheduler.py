@@ -41,6 +41,7 @@ class SchedulerOutput:
     block_copies: BlockCopies = field(default_factory=list)  # per KV cache group: copy-on-write (src, dst) pairs
     preempted: list[Request] = field(default_factory=list)
     block_loads: list[KVLoad] = field(default_factory=list)  # KV tiers: second-level blocks to load first
+    swapped: list[str] = field(default_factory=list)  # preempted requests whose blocks went to the host tier
 
     def add_copies(self, copies: BlockCopies) -> None:
         for group, pairs in zip(self.block_copies, copies):
@@ -95,7 +96,8 @@ class Scheduler:
             copies = self.kv.allocate_slots(req, n)
             while copies is None:
                 victim = self.running.pop()
-                self._preempt(victim)
+                if self._preempt(victim):
+                    out.swapped.append(victim.request_id)
                 out.preempted.append(victim)
                 if victim is req:
                     break
@@ -165,10 +167,11 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, num_cached, n))
             budget -= n
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request) -> bool:
         """Free `req`'s blocks and queue it again; with a host tier its full blocks may be swapped out first
-        (when moving them beats recomputing them), so re-admission loads them back instead."""
-        if self.kv.should_swap(req):
+        (when moving them beats recomputing them), so re-admission loads them back instead. True if swapped."""
+        swapped = self.kv.should_swap(req)
+        if swapped:
             self.kv.swap_out(req)
             self.num_swaps += 1
         self.kv.free(req)
@@ -178,6 +181,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        return swapped
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed counts, append sampled tokens, and finish requests; returns the requests that got a token."""

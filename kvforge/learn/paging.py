@@ -122,9 +122,8 @@ def plot(ax: Any, results: list[ModeResult]) -> None:
     ax2.legend(loc="upper right")
 
 
-def run(args: Any) -> int:
-    from kvforge.learn.common import make_engine, model_label, save_plot
-
+def lesson_config(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the workload's config, the engine's KV options) for --quick / --num-requests / --max-model-len."""
     cfg = dict(QUICK if args.quick else FULL)
     if args.num_requests is not None:
         if args.num_requests < 1:
@@ -140,12 +139,20 @@ def run(args: Any) -> int:
     if longest > cfg["max_model_len"]:
         cfg["prompt"] = (min(cfg["prompt"][0], cfg["max_model_len"] // 4), cfg["max_model_len"] // 2)
         cfg["output"] = (min(cfg["output"][0], cfg["max_model_len"] // 4), cfg["max_model_len"] // 2 - 1)
-    engine = make_engine(args.model, args.dtype, args.threads, block_size=block_size, num_kv_blocks=num_blocks,
-                         max_model_len=cfg["max_model_len"], max_num_seqs=64, max_num_batched_tokens=1024,
-                         enable_prefix_caching=False)
+    engine_kwargs = dict(block_size=block_size, num_kv_blocks=num_blocks, max_model_len=cfg["max_model_len"],
+                         max_num_seqs=64, max_num_batched_tokens=1024, enable_prefix_caching=False)
+    return cfg, engine_kwargs
+
+
+def run(args: Any) -> int:
+    from kvforge.learn.common import make_engine, model_label, save_plot
+
+    cfg, engine_kwargs = lesson_config(args)
+    engine = make_engine(args.model, args.dtype, args.threads, **engine_kwargs)
     prompts, out_lens = workload(cfg, engine.model_config.vocab_size)
     results = [run_mode(engine, mode, prompts, out_lens) for mode in ("contiguous", "paged")]
-    print(render(results, cfg, num_blocks, block_size, model_label(engine, args.model)))
+    print(render(results, cfg, engine_kwargs["num_kv_blocks"], engine_kwargs["block_size"],
+                 model_label(engine, args.model)))
     if args.plot:
         save_plot(args.plot, lambda ax: plot(ax, results))
         print(f"plot saved to {args.plot}")

@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 from kvforge.server.async_engine import AsyncEngine
 from kvforge.server.auth import check_bearer
 from kvforge.server.config import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
+from kvforge.server.kv_map import add_kv_map_routes
 from kvforge.server.metrics import CONTENT_TYPE
 from kvforge.server.openapi import openapi_schema
 from kvforge.server.protocol import APIError, GenerationRequest, parse_chat_request, parse_completion_request
@@ -243,4 +244,5 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def openapi() -> JSONResponse:
         return JSONResponse(openapi_schema(api_key is not None))
 
+    add_kv_map_routes(app, engine, api_key)  # /kv, /kv/state, /kv/stream: the live KV block map
     return app

@@ -67,6 +67,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.draining = False  # set on SIGTERM: no new requests, running ones may finish
+        self.paused = False  # pause_generation(): no steps; commands (adds, aborts, calls) are still served
         self.error: BaseException | None = None
         self._pending = 0  # sub-requests posted but not yet queued in the engine (guarded by _inbox.cond)
         self._waiting = 0  # the engine's waiting queue as of the last step
@@ -106,6 +107,18 @@ class AsyncEngine:
         """End every request still running with EngineDeadError(message): streams get an error event and
         `[DONE]` (the end of a graceful drain). Runs on the engine thread, between steps."""
         self._post(("fail_all", message))
+
+    def pause_generation(self) -> None:
+        """Stop stepping after the step in flight, keeping every request and its blocks (vLLM's name).
+
+        The engine thread still serves `call`, so the KV map and integrity checks read a state that
+        holds still: what a person (or a test) inspecting the cache mid-run wants."""
+        self.paused = True
+        self._post(("wake",))
+
+    def resume_generation(self) -> None:
+        self.paused = False
+        self._post(("wake",))
 
     @property
     def alive(self) -> bool:
@@ -168,8 +181,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._drain_inbox(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
+                self._drain_inbox(block=self.paused or not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests() and not self.paused:
                     self._step()
                 self._refresh_snapshot()
         except BaseException as exc:  # noqa: BLE001 - the engine cannot continue: report, stop, tell the owner
