@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,4 +13,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from kvforge.engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from kvforge.engine.structured.params import StructuredOutputsParams
+        return StructuredOutputsParams
     raise AttributeError(name)

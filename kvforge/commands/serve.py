@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
                           server.shutdown_timeout)
     engine = AsyncEngine(LLMEngine(engine_config), max_waiting_requests=server.max_waiting_requests).start()
     app = build_app(engine, name, api_key=resolve_api_key(server.api_key), max_request_bytes=server.max_request_bytes,
-                    body_timeout=server.body_timeout, cache_salt_from_api_key=server.cache_salt_from_api_key)
+                    body_timeout=server.body_timeout, cache_salt_from_api_key=server.cache_salt_from_api_key,
+                    tool_call_parser=server.tool_call_parser, reasoning_parser=server.reasoning_parser)
     uv = DrainingServer(uvicorn_config(app, limits, host=server.host, port=server.port, log_level=server.log_level),
                         engine, limits.shutdown_timeout)
     print(f"kvforge serve: '{name}' on http://{server.host}:{server.port}/v1", flush=True)
@@ -76,6 +77,8 @@ def _run_replicas(server: ServerConfig, engine_config: EngineConfig) -> int:
 
     if resolve_api_key(server.api_key):
         raise ValueError("--api-key is not supported with --replicas yet; put the Ray Serve proxy behind your gateway")
+    if server.tool_call_parser or server.reasoning_parser:
+        raise ValueError("--tool-call-parser and --reasoning-parser are not supported with --replicas yet")
     try:
         from kvforge.distributed.ray_serve import run_replicas
     except ImportError as exc:

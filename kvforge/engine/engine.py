@@ -31,6 +31,7 @@ from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.request_check import RequestLimits, check_request
 from kvforge.engine.kv_map import KVMapObserver
 from kvforge.engine.scheduler import Scheduler, SchedulerOutput
+from kvforge.engine.structured.manager import StructuredOutputManager
 from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.storage.build import make_layer_caches
@@ -159,6 +160,7 @@ class LLMEngine:
             self.report: StartupReport = build_startup_report(
                 self.model, cfg, self.cache_format, groups, cache_cfg.block_size, max_model_len, caches, config
             )
+        self.structured = self.runner.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
         self.eviction: EvictionTracker | None = None
         if config.eviction_config.enabled:  # refused with tensor parallelism (EngineConfig)
             check_eviction_supported(cfg, len(groups))
@@ -252,6 +254,7 @@ class LLMEngine:
         # n > 1: one request prefills the prompt once, then forks into n samples sharing its blocks.
         req = Request(request_id, list(prompt_token_ids), params, eos, cache_salt, num_seqs=params.num_samples,
                       kv_budget=self._kv_budget(params))
+        self.structured.add(req)  # a bad constraint raises here, before anything is queued
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt)
         self.samples[request_id] = [req]
@@ -321,6 +324,7 @@ class LLMEngine:
             if chunk.forks:
                 self.samples[chunk.request.group_id].extend(chunk.forks)
                 self.outputs.fork(chunk.forks)
+                self.structured.fork(chunk.request, chunk.forks)
         if self.eviction is not None:  # scored policies: which rows' attention mass the runner returns
             sched_out.attention_scoring = self.eviction.scoring_for(sched_out.chunks)
         ran = self.runner.execute(sched_out)
@@ -350,6 +354,8 @@ class LLMEngine:
         self.counters.num_generation_tokens += len(advanced)
         completions = []
         for req in advanced:
+            if self.structured.advance(req) and not req.is_finished:  # the grammar is complete
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             completion, stop_hit = self.outputs.process(req, results[req.request_id])
             if stop_hit and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -368,6 +374,7 @@ class LLMEngine:
 
     def _release(self, request_id: str) -> None:
         self.runner.release(request_id)
+        self.structured.release(request_id)
         if self.eviction is not None:
             self.eviction.release(request_id)
 

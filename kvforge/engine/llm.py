@@ -6,7 +6,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from dataclasses import replace
+
 from kvforge.engine.args import EngineArgs, EngineConfig
+from kvforge.engine.chat_tools import output_constraint, render_chat, tool_request
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.sampling_params import SamplingParams
@@ -61,15 +64,29 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool | None = None,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a batch of them, rendered with the model's chat template."""
+        """One conversation (a list of messages) or a batch of them, rendered with the model's chat template.
+
+        `tools` (OpenAI's format) reach the template as transformers' `apply_chat_template(tools=...)` passes
+        them; a template without tool support gets kvforge's generic format, and then (or with tool_choice
+        "required" or a named function) the reply is held to the JSON envelope of engine/chat_tools.py."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so chat is unavailable")
+        tool_req = tool_request(tools, tool_choice)
+        params = sampling_params or SamplingParams()
+        spec = output_constraint(self.tokenizer, tool_req)
+        if spec is not None:
+            if params.structured_outputs is not None:
+                raise ValueError("structured_outputs cannot be combined with tools that constrain the reply")
+            params = replace(params, structured_outputs=spec)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]  # type: ignore[arg-type]
+        prompts = [render_chat(self.tokenizer, c, tool_req, add_generation_prompt, chat_template_kwargs)  # type: ignore[arg-type]
+                   for c in conversations]
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outs = self._run([(p, i) for p, i in zip(prompts, ids)], [sampling_params or SamplingParams()] * len(ids), use_tqdm, None)
-        return outs
+        return self._run([(p, i) for p, i in zip(prompts, ids)], [params] * len(ids), use_tqdm, None)
 
     def _run(self, items, params, use_tqdm, cache_salt) -> list[RequestOutput]:  # type: ignore[no-untyped-def]
         """Submit everything, step until every request is finished; n > 1 is native (one prefill, forked)."""

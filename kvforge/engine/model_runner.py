@@ -26,6 +26,7 @@ from kvforge.engine.runner_output import ModelRunnerOutput, mass_for
 from kvforge.engine.sampler import sample
 from kvforge.engine.sampling_params import sample_seed
 from kvforge.engine.scheduler import AttentionScoring, ScheduledChunk, SchedulerOutput, batch_order
+from kvforge.engine.structured.manager import StructuredOutputManager
 from kvforge.kv.interface import KVExport, KVLoad
 from kvforge.kv.storage.layer_cache import PagedLayerStorage
 from kvforge.kv.tiers.block_io import BlockMover
@@ -51,6 +52,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.generators: dict[str, torch.Generator] = {}
+        self.structured: StructuredOutputManager | None = None  # set by the engine: the step's grammar masks
         self.default_generator = torch.Generator(device=device).manual_seed(seed)  # sampling runs on the device
         self.decode_graphs: Any = None  # CUDA graphs of decode-only steps (engine/cuda_graphs.py), set on CUDA
         self.tiers: KVTiers | None = None  # KV tiers (kvforge.kv.tiers): their byte-moving side
@@ -171,7 +173,8 @@ class ModelRunner:
             for r in sampling
         ]
         histories = [(r.prompt_token_ids, r.output_token_ids) for r in sampling]
-        results = sample(logits, params, gens, banned, histories)
+        allowed = self.structured.fill(sampling) if self.structured is not None else None
+        results = sample(logits, params, gens, banned, histories, allowed)
         return ModelRunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, mass, scores)
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:

@@ -12,6 +12,7 @@ import torch
 
 from kvforge.engine.logits_processors import apply_logits_processors
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.structured.bitmask import apply_bitmask
 from kvforge.models.fused import argmax_rows
 
 
@@ -28,15 +29,19 @@ def sample(
     generators: list[torch.Generator | None],
     banned: list[tuple[int, ...]] | None = None,
     histories: list[tuple[list[int], list[int]]] | None = None,
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[SampleResult]:
     """logits: [B, V] fp32. `banned[i]` token ids are masked (EOS before min_tokens); `histories[i]`: row i's
-    (prompt, output) ids, for penalties and bad words (kvforge/engine/logits_processors.py)."""
+    (prompt, output) ids, for penalties and bad words (kvforge/engine/logits_processors.py); `allowed` is
+    (rows, bitmask) from structured outputs: those rows keep only their grammar's tokens, for every mode."""
     if histories is not None:
         logits = apply_logits_processors(logits, params, histories)
     if banned is not None:
         for i, ids in enumerate(banned):
             if ids:
                 logits[i, list(ids)] = float("-inf")
+    if allowed is not None:  # after the processors, so no bias can revive a token the grammar forbids
+        apply_bitmask(logits, *allowed)
     # the C argmax: the same answer, ~10x faster than torch's on CPU (never built for device logits)
     chosen = argmax_rows(logits) if logits.device.type == "cpu" else None
     if chosen is None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvforge.engine.structured.params import StructuredOutputsParams
+
 # Seeds are int64 as in OpenAI's API schema, and non-negative: torch.Generator.manual_seed takes
 # [-2**63, 2**64) but aliases a negative seed to seed + 2**64, so one range keeps seeds unambiguous.
 SEED_MIN, SEED_MAX = 0, 2**63 - 1
@@ -49,6 +51,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     best_of: int | None = None  # sample best_of, return the n with the highest cumulative logprob
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)  # set by the engine
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema / regex / choice / grammar (engine/structured)
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +94,8 @@ class SamplingParams:
         ids = self.stop_token_ids or []
         check(all(_is_int(t) and t >= 0 for t in ids), "stop_token_ids", "a list of non-negative integers")
         self.stop_token_ids = list(ids)
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "a StructuredOutputsParams or None")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -158,7 +158,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | Sequence[str] | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              body_timeout: float | None = DEFAULT_BODY_TIMEOUT, cache_salt_from_api_key: bool = False) -> FastAPI:
+              body_timeout: float | None = DEFAULT_BODY_TIMEOUT, cache_salt_from_api_key: bool = False,
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The ASGI app; `engine` must be started (and is shut down by the caller, not here).
 
     `api_key`: one key, or several ("k1,k2" or a list); every route but /health then needs one
@@ -167,7 +168,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | Sequence[str]
     if cache_salt_from_api_key and not api_keys:
         raise ValueError("cache_salt_from_api_key needs api_key (one key per tenant)")
     app = FastAPI(title="kvforge", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
-    serving = OpenAIServing(engine, model_name)
+    serving = OpenAIServing(engine, model_name, tool_call_parser, reasoning_parser)
     app.state.engine, app.state.serving = engine, serving
     created = int(time.time())
 

@@ -13,6 +13,8 @@ from kvforge.flags import option
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds for a whole request body to arrive
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")  # kvforge/server/tool_parsers.py
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # kvforge/server/reasoning.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,12 @@ class ServerConfig:
     served_model_name: str | None = option(None, "model id clients send (default: the model's name)")
     max_request_bytes: int = option(DEFAULT_MAX_REQUEST_BYTES, "larger request bodies get HTTP 413")
     log_level: str = option("info", "server log level", choices=LOG_LEVELS)
+    tool_call_parser: str | None = option(
+        None, "how tool calls are read from replies with tool_choice 'auto' (default: the chat template's own format "
+        "when kvforge knows it; templates without tools get kvforge's constrained JSON format)",
+        choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = option(
+        None, "move <think>...</think> out of the content into reasoning_content", choices=REASONING_PARSERS)
     # reliability (docs/serving.md: "Running in production"): timeouts, backpressure, drain
     max_waiting_requests: int | None = option(
         None, "past this many queued requests, answer 503 with Retry-After (default: unbounded, as vLLM; set it to "
@@ -61,5 +69,9 @@ class ServerConfig:
             raise ValueError(f"replicas must be a positive integer, got {self.replicas}")
         if self.ray_address is not None and self.replicas is None:
             raise ValueError("replicas is required with ray_address")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")

@@ -43,6 +43,17 @@ _COMMON: dict[str, Any] = {
     "allowed_token_ids": _TOKEN_IDS,
     "bad_words": {"type": "array", "items": {"type": "string"}},
     "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "description": "vLLM's: top-k per prompt token"},
+    # structured outputs (kvforge/server/structured_fields.py; docs/agents.md): at most one per request
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                                         "strict": {"type": ["boolean", "null"]}}}}},
+    "structured_outputs": {"type": "object", "description": "one of json, regex, choice, grammar, json_object"},
+    "guided_json": {"type": "object"},
+    "guided_regex": {"type": "string"},
+    "guided_choice": {"type": "array", "items": {"type": "string"}},
+    "guided_grammar": {"type": "string", "description": "Lark, or GBNF"},
+    "guided_decoding_backend": {"enum": ["auto", "guidance", "llguidance"]},
 }
 
 COMPLETION_REQUEST: dict[str, Any] = {
@@ -72,14 +83,24 @@ CHAT_REQUEST: dict[str, Any] = {
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"],
             "properties": {"role": {"type": "string"},
-                           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART}]}},
+                           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART},
+                                                 {"type": "null", "description": "with tool_calls"}]},
+                           "tool_calls": {"type": "array", "items": {"type": "object"}},
+                           "tool_call_id": {"type": "string"}},
         }},
         "add_generation_prompt": _BOOL,
         "max_tokens": {"type": "integer", "minimum": 1},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "logprobs": _BOOL,
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "description": "requires logprobs"},
-        "response_format": {"type": "object", "properties": {"type": {"const": "text"}}},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}}}},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
+        "parallel_tool_calls": _BOOL,
+        "chat_template_kwargs": {"type": "object"},
+        "include_reasoning": _BOOL,
     },
 }
 

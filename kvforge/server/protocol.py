@@ -1,9 +1,10 @@
 """Request validation for the OpenAI-compatible API, with OpenAI-style error bodies.
 
 Bodies arrive as untrusted JSON, so every known field is type-checked here and
-a mistake becomes an `APIError` naming the field (`param`). Unknown fields are
-ignored, as OpenAI clients send extras. Values that need the tokenizer or the
-engine (prompt length, max_tokens fit) are checked later in serving.py.
+a mistake becomes an `APIError` naming the field (`param`). Unknown fields, and known
+ones kvforge does not implement, are refused (request_fields.py), so none is dropped in
+silence. Values that need the tokenizer or the engine (prompt length, max_tokens fit) are
+checked later in serving.py.
 """
 from __future__ import annotations
 
@@ -12,18 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvforge.kv.salt import check_cache_salt
-
-
-class APIError(Exception):
-    """An error the client caused (or must see); rendered as {"error": {message, type, param, code}}."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+from kvforge.server.errors import APIError  # re-exported: protocol.APIError is the public name
 
 
 @dataclass
@@ -44,6 +34,10 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # vLLM's extension: top-k per prompt token in the response
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
     cache_salt: str | None = None  # tenant isolation: enters the block hash chain (kvforge.kv.salt)
+    tools: Any = None  # chat: a ToolRequest (engine/chat_tools.py), or None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    include_reasoning: bool = True
+    shape: Any = None  # chat: how replies are read (server/chat_output.py), set by serving.prepare
 
 
 # field -> (accepted types, rule shown in the error)
@@ -84,6 +78,10 @@ def _show(v: Any) -> str:
 def _common(body: dict, kind: str) -> GenerationRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
+    from kvforge.server.request_fields import check_fields
+    from kvforge.server.structured_fields import parse_constraint
+
+    check_fields(body, kind)
     req = GenerationRequest(kind=kind, model=_get(body, "model", (str,), "a string"))
     req.n = _get(body, "n", (int,), "an integer", 1)  # its range is the engine's (max_num_seqs): one message
     req.stream = _get(body, "stream", (bool,), "a boolean", False)
@@ -111,6 +109,7 @@ def _common(body: dict, kind: str) -> GenerationRequest:
         v = _get(body, name, types, rule)
         if v is not None:
             sampling[name] = v
+    sampling["structured_outputs"] = parse_constraint(body)  # response_format, structured_outputs, guided_*
     req.sampling = {k: v for k, v in sampling.items() if v is not None}
     req.prompt_logprobs = _get(body, "prompt_logprobs", (int,), "an integer")
     if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= 20:
@@ -179,7 +178,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
                                param=f"messages[{i}].content")
             m = {**m, "content": "".join(p["text"] for p in content)}
             messages[i] = m
-        elif not isinstance(content, str):
+        elif not isinstance(content, str) and not (content is None and m.get("tool_calls")):
             raise APIError(f"'messages[{i}].content' must be a string, got {_show(content)}", param=f"messages[{i}].content")
     if body.get("echo"):
         raise APIError("'echo' is not supported on chat completions; use /v1/completions with echo", param="echo")
@@ -195,12 +194,17 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if top is not None and not 0 <= top <= 20:
         raise APIError(f"'top_logprobs' must be in [0, 20], got {top}", param="top_logprobs")
     req.logprobs = (top or 0) if want else None
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise APIError(f"'{name}' (tool calling) is not supported by kvforge", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise APIError("'response_format' other than {'type': 'text'} is not supported by kvforge", param="response_format")
+    from kvforge.server.tools import check_messages, parse_tools
+
+    check_messages(messages)
+    req.tools = parse_tools(body)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or {"messages", "tools", "add_generation_prompt"} & set(kwargs):
+            raise APIError("'chat_template_kwargs' must be an object of template variables (not messages, tools "
+                           "or add_generation_prompt)", param="chat_template_kwargs")
+        req.chat_template_kwargs = kwargs
+    req.include_reasoning = _get(body, "include_reasoning", (bool,), "a boolean", True)
     return req
 
 

@@ -7,6 +7,7 @@ only maps its field names onto the API's ("prompt" -> "messages" for chat).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -14,10 +15,14 @@ from collections.abc import AsyncIterator
 
 import jinja2
 
+from kvforge.engine.chat_tools import render_chat
 from kvforge.engine.outputs import CompletionOutput, RequestOutput
 from kvforge.engine.request_check import RequestRejected
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.engine.structured.params import StructuredOutputError
 from kvforge.server.async_engine import AsyncEngine
+from kvforge.server.chat_output import ChoiceStream, message
+from kvforge.server.chat_setup import chat_shape, with_tool_constraint
 from kvforge.server.echo import echo_choice, vllm_prompt_logprobs
 from kvforge.server.logprobs import chat_logprobs, completion_logprobs
 from kvforge.server.protocol import APIError, GenerationRequest
@@ -29,8 +34,10 @@ _RENDER_ERRORS = (ValueError, TypeError, OverflowError, RecursionError, UnicodeE
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.tokenizer = engine.engine.tokenizer
         self.model_name = model_name
         self.limits = engine.engine.limits
@@ -46,6 +53,9 @@ class OpenAIServing:
         base = f"{prefix}-{uuid.uuid4().hex}"
         field = "messages" if req.kind == "chat" else "prompt"
         params = _sampling_params(req)
+        if req.kind == "chat":
+            req.shape = chat_shape(req, self.tokenizer, self.tool_call_parser, self.reasoning_parser)
+            params = with_tool_constraint(req, params, self.tokenizer)
         subs: list[SubRequest] = []
         for p, (text, ids) in enumerate(self._tokenize(req)):
             try:
@@ -61,7 +71,7 @@ class OpenAIServing:
             if tok is None or not tok.has_chat_template:
                 raise APIError("this model has no chat template; use /v1/completions", param="messages")
             try:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+                text = render_chat(tok, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
                 return [(text, tok.encode(text, add_special_tokens=False))]
             except _RENDER_ERRORS as exc:
                 raise APIError(f"the chat template could not render the messages: {_short(exc)}",
@@ -80,6 +90,12 @@ class OpenAIServing:
         return out
 
     async def submit(self, req: GenerationRequest, subs: list[SubRequest]) -> RequestGroup:
+        spec = subs[0].params.structured_outputs if subs else None
+        if spec is not None:  # compiled on a worker thread (llguidance drops the GIL): the engine only copies it
+            try:
+                await asyncio.to_thread(self.engine.engine.structured.compile, spec)
+            except StructuredOutputError as exc:
+                raise APIError(str(exc), param=exc.param) from exc
         try:
             return await self.engine.submit(subs)
         except RequestRejected as exc:
@@ -106,8 +122,9 @@ class OpenAIServing:
                 idx = p * req.n + c.index
                 lp = self._logprobs(req, c.token_ids, c.logprobs)
                 if req.kind == "chat":
-                    choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    msg, reason = message(req.shape, c.text, c.finish_reason)
+                    choices.append({"index": idx, "message": msg,
+                                    "logprobs": lp, "finish_reason": reason, "stop_reason": c.stop_reason})
                 else:
                     text = c.text
                     if req.echo:  # the prompt's text and scores first (kvforge/server/echo.py)
@@ -135,6 +152,7 @@ class OpenAIServing:
         finals: dict[int, RequestOutput] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
+        shaped: dict[int, ChoiceStream] = {}  # chat with tools or reasoning: per choice
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             body: dict = {"id": base, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -156,7 +174,12 @@ class OpenAIServing:
                         continue  # a sample that finished earlier is repeated in its request's final output
                     if not (c.delta_text or c.finished or (req.logprobs is not None and c.delta_token_ids)):
                         continue  # e.g. half a UTF-8 character, or text held back as a possible stop string
-                    yield chunk([self._stream_choice(req, idx, c, sent_tokens, out)])
+                    if req.kind == "chat" and not req.shape.plain:
+                        stream = shaped.setdefault(idx, ChoiceStream(req.shape))
+                        for part in self._shaped_choices(req, idx, c, sent_tokens, stream, out):
+                            yield chunk([part])
+                    else:
+                        yield chunk([self._stream_choice(req, idx, c, sent_tokens, out)])
                     if c.finished:
                         done.add(idx)
             if req.include_usage:
@@ -191,6 +214,20 @@ class OpenAIServing:
         if c.finished:
             choice["stop_reason"] = None if req.max_tokens == 0 else c.stop_reason
         return choice
+
+    def _shaped_choices(self, req: GenerationRequest, idx: int, c: CompletionOutput, sent: dict[int, int],
+                        stream: ChoiceStream, out: RequestOutput) -> list[dict]:
+        """A chat choice through its ChoiceStream: reasoning, content and tool-call deltas, the finish last."""
+        base = self._stream_choice(req, idx, c, sent, out)
+        deltas, reason = stream.feed(c.delta_text, c.finish_reason)
+        parts = [{**{k: v for k, v in base.items() if k != "stop_reason"}, "delta": d, "finish_reason": None}
+                 for d in deltas]
+        if c.finished:
+            parts.append({**base, "delta": {}, "finish_reason": reason, "logprobs": None if parts else base["logprobs"]})
+        elif parts:
+            for p in parts[1:]:
+                p["logprobs"] = None
+        return parts
 
     def _logprobs(self, req: GenerationRequest, token_ids: list[int],
                   logprobs: list[dict[int, float]] | None) -> dict | None:
