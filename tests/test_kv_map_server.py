@@ -119,13 +119,16 @@ def test_state_equals_the_engines_snapshot_while_paused(server, paused_with_shar
 
 def test_stream_sends_snapshots_as_the_engine_moves(server):
     done: list = []
-    worker = threading.Thread(target=_stream_completion, args=(server, list(range(10, 30)), 40, done))
+    # long enough that the engine is still moving for several of the hub's paced snapshots on a fast machine
+    worker = threading.Thread(target=_stream_completion, args=(server, list(range(10, 30)), 230, done))
     steps = []
+    deadline = time.monotonic() + 60  # keep-alive comments arrive while idle: the read timeout alone never fires
     with httpx.stream("GET", server.url + "/kv/stream", headers=AUTH, timeout=30) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         worker.start()
         event = None
         for line in r.iter_lines():
+            assert time.monotonic() < deadline, f"only {len(steps)} snapshot events in 60 s; completion: {done}"
             if line.startswith("event: "):
                 event = line[7:]
             elif line.startswith("data: ") and event == "snapshot":
@@ -135,6 +138,7 @@ def test_stream_sends_snapshots_as_the_engine_moves(server):
                 if len(steps) >= 3:
                     break
     worker.join(60)
+    assert [code for code, _ in done] == [200]
     assert steps == sorted(set(steps)), "each snapshot event is a newer step"
     wait_idle_and_check_blocks(server)
 

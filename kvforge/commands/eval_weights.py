@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvforge.config import INT4_GROUP_SIZES, SUPPORTED_DTYPES
+from kvforge.config import INT4_GROUP_SIZES, SUPPORTED_DTYPES, WEIGHT_FORMAT_NAMES
 from kvforge.flags import flag_errors
 
 HELP = "quality cost of each weight format (perplexity and KL of int8 / int4 weights vs unquantized)"
@@ -32,8 +32,6 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvforge.evaluation.weight_quant_eval import WEIGHT_FORMAT_NAMES
-
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16", choices=SUPPORTED_DTYPES, help="model (activation) dtype")
     p.add_argument("--device", default=None, help="cpu (the int8/int4 kernels are CPU kernels)")
@@ -49,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvforge.engine.args import EngineArgs
     from kvforge.engine.engine import LLMEngine
-    from kvforge.evaluation.weight_quant_eval import WEIGHT_FORMAT_NAMES, render_weight_table, run_weight_eval
+    from kvforge.evaluation.weight_quant_eval import render_weight_table, run_weight_eval
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     bad = [f for f in formats if f not in WEIGHT_FORMAT_NAMES]

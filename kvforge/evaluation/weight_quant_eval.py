@@ -14,9 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from kvforge.config import WEIGHT_FORMAT_NAMES  # re-exported; "none" = the checkpoint's weights
 from kvforge.evaluation.kv_quant import _kl_sum, _log_probs, _nll_sum, corpus_token_ids
-
-WEIGHT_FORMAT_NAMES = ("none", "int8", "int4")  # "none": the checkpoint's weights in the model dtype
 
 
 @dataclass
