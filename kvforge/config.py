@@ -32,6 +32,8 @@ KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # canonical name
 KV_CACHE_SCALES = KV_SCALE_GRANULARITIES
 # weight-only quantization of the linear layers at load (kvforge/models/weight_quant.py); int4 group sizes along K
 WEIGHT_QUANTIZATIONS = ("int8", "int4", "gguf")  # gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K codes
+# `kvforge eval weights` formats: "none" is the checkpoint's weights in the model dtype (the reference)
+WEIGHT_FORMAT_NAMES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 KV_ALLOCATIONS = ("paged", "contiguous")  # contiguous: reserve max_model_len slots per sequence (kv/contiguous.py)
 
@@ -156,8 +158,9 @@ class CacheConfig:
     enable_prefix_caching: bool = option(True, "turn prefix caching off", flag="--no-prefix-caching")
     k_cache_dtype: str | None = option(None, "K alone (overrides --kv-cache-dtype)", choices=KV_CACHE_DTYPES)
     v_cache_dtype: str | None = option(None, "V alone (overrides --kv-cache-dtype)", choices=KV_CACHE_DTYPES)
-    kv_cache_scale: str = option(
-        "token", "quantization scales: per token, per head, per channel (K only, per block), per tensor (static)",
+    kv_cache_scale: str | None = option(
+        None, "quantization scales: per token, per head, per channel (K only, per block), per tensor (static); "
+        "default: measured per dtype (fp8 per head, int8/int4 per token: docs/kv-quantization-at-length.md)",
         choices=KV_CACHE_SCALES)
     kv_allocation: str = option(
         "paged", "paged = blocks as tokens arrive; contiguous = reserve max_model_len slots per sequence at "
@@ -170,7 +173,7 @@ class CacheConfig:
             value = getattr(self, name)
             if value is not None:
                 canonical_kv_dtype(value, name)  # the ledger's one KV format grammar and error
-        if self.kv_cache_scale not in KV_CACHE_SCALES:
+        if self.kv_cache_scale is not None and self.kv_cache_scale not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scale must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scale!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")

@@ -34,6 +34,24 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZED_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
+# The scale granularity a quantized dtype gets when the user names none, chosen by measurement: the
+# recorded curve in planner/kv_quality.py (benchmarks/results/2026-12-04_kv_quant_at_length_smollm2.txt).
+# fp8 keeps only 3 (e4m3) or 2 (e5m2) mantissa bits, so one scale per token shared by every head lets
+# the head with the largest values set the step for all of them; per-head scales measured lower
+# perplexity loss at 2K and 8K (neither met 1% at 8K; head lost least). int8 keeps per-token scales:
+# +0.23% at 8K meets its 0.5% target with the fewest scale bytes (per head: +0.14%). int4 was not
+# re-measured at length and keeps per-token. The rule is `planner.kv_quality.measured_default_scale`.
+DEFAULT_KV_SCALES: dict[str, str] = {"fp8": "head", "fp8_e4m3": "head", "fp8_e5m2": "head", "int8": "token",
+                                     "int4": "token"}
+
+
+def default_kv_scale(k_dtype: str, v_dtype: str) -> str | None:
+    """The measured default scales for a K/V pair: K's dtype decides when K is quantized (K is the
+    sensitive side), else V's; None when neither is quantized."""
+    for dtype in (k_dtype, v_dtype):
+        if dtype in QUANTIZED_DTYPES:
+            return DEFAULT_KV_SCALES[dtype]
+    return None
 
 
 def element_bytes(dtype: str) -> float:
@@ -399,10 +417,11 @@ class KVFormatSpec:
     scales: str | None = None  # None when the spec had no @SCALES suffix
 
     def resolve(self, model_dtype: str, default_scales: str | None = None) -> KVCacheFormat:
-        """The storage format for a model served in `model_dtype`; scales only when K or V is quantized."""
+        """The storage format for a model served in `model_dtype`; scales only when K or V is quantized
+        (unnamed: `default_scales`, else the measured per-dtype default, `DEFAULT_KV_SCALES`)."""
         k, v = (model_dtype if d == "auto" else d for d in (self.k_dtype, self.v_dtype))
-        quantized = k in QUANTIZED_DTYPES or v in QUANTIZED_DTYPES
-        return KVCacheFormat(k, v, (self.scales or default_scales or "token") if quantized else None)
+        default = default_kv_scale(k, v)  # None: neither side is quantized, so no scales at all
+        return KVCacheFormat(k, v, (self.scales or default_scales or default) if default else None)
 
 
 def kv_format_error(field: str, value: object, problem: str) -> ValueError:

@@ -28,7 +28,7 @@ def _cased(name: str, data: st.DataObject) -> str:
 
 
 def _engine(k: str, v: str, scales: str | None, model_dtype: str) -> KVCacheFormat:
-    cfg = CacheConfig(kv_cache_dtype="auto", k_cache_dtype=k, v_cache_dtype=v, kv_cache_scale=scales or "token")
+    cfg = CacheConfig(kv_cache_dtype="auto", k_cache_dtype=k, v_cache_dtype=v, kv_cache_scale=scales)
     return cfg.cache_format(model_dtype)
 
 

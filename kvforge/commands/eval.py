@@ -40,7 +40,7 @@ EVAL_FLAGS = {
     "contexts": "--contexts", "windows": "--windows", "num_prompts": "--num-prompts",
     "prompt_tokens": "--prompt-tokens", "gen_tokens": "--gen-tokens", "capacity_memory": "--kv-cache-memory",
     "capacity_seq_len": "--capacity-seq-len", "block_size": "--block-size", "dtype": "--dtype",
-    "device": "--device", "model": "--model",
+    "device": "--device", "model": "--model", "prefill_chunk": "--prefill-chunk",
 }
 
 
@@ -54,7 +54,10 @@ def add_arguments(kv: argparse.ArgumentParser) -> None:
                          f"(default: every dtype and scale choice, {DEFAULT_ROWS} rows); the unquantized reference "
                          "is always first")
     kv.add_argument("--contexts", type=_int_list("--contexts"), default=(256, 1024, 2048),
-                    help="perplexity context lengths")
+                    help="perplexity context lengths, e.g. 2048,8192,32768 (each at most the model's max_model_len)")
+    kv.add_argument("--prefill-chunk", type=int, default=None,
+                    help="tokens per scoring pass (default 2048): a long window is prefilled in chunks through the "
+                         "(quantized) cache, so memory stays bounded at any context")
     kv.add_argument("--windows", type=int, default=1, help="text windows scored per context length")
     kv.add_argument("--num-prompts", type=int, default=20, help="greedy prompts (one documentation topic each)")
     kv.add_argument("--prompt-tokens", type=int, default=32, help="tokens per greedy prompt")
@@ -96,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
             capacity_memory=parse_bytes(args.kv_cache_memory, "--kv-cache-memory"),
             capacity_seq_len=args.capacity_seq_len,
+            **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}),
         )
     engine = _engine_for_eval(args, opts)
     rows_to_measure = measured_variants(variants)

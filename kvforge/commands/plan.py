@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV format: auto, fp16, bf16, fp8, int8, int4; K and V apart as KDTYPE/VDTYPE; @SCALES suffix")
     p.add_argument("--kv-scales", choices=GRANULARITIES, default=None,
-                   help="scale layout of quantized KV (default: per token)")
+                   help="scale layout of quantized KV (default: measured per dtype: fp8 per head, int8/int4 per token)")
     p.add_argument("--compare", default=None,
                    help="comma list of models and/or KV formats shown side by side, e.g. llama-2-7b,llama-3-8b or fp16,fp8")
     p.add_argument("--block-size", type=positive_int, default=default_of(CacheConfig, "block_size"),

@@ -6,10 +6,14 @@ granularity) the KV pool is rebuilt around the same weights
 own documentation (`pydoc_data.topics`), so the numbers are reproducible offline.
 
 - perplexity at each context length: one or more windows of L tokens scored
-  through `engine.prompt_logits`, the paged path, whose attention writes the
-  window's K/V into the (quantized) cache and reads them back;
+  through the paged path in prefill chunks (`long_context.score_window`): each
+  chunk's attention writes its K/V into the (quantized) cache and reads every
+  earlier token back from it, so a 32K window needs one chunk's memory;
+- the depth profile: perplexity of each quarter of the longest window, where
+  accumulated error would show first;
 - KL(P_unquantized || P_variant) of the next-token distribution, averaged over
-  every scored position of every window;
+  the scored positions of every window (every position up to 2048 tokens, then
+  2048 evenly spaced ones per window);
 - greedy agreement on `num_prompts` prompts (the head of different topics),
   `gen_tokens` tokens each: "step agreement" is the share of the unquantized
   run's greedy tokens that the variant also ranks first given the same history
@@ -27,9 +31,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.evaluation.long_context import DEFAULT_PREFILL_CHUNK, depth_perplexity, kl_sum, score_window
 from kvforge.ledger import (
     NULL_BLOCKS_PER_GROUP,
     KVCacheFormat,
+    default_kv_scale,
     kv_bytes_per_token,
     max_concurrency,
     num_blocks_for_memory,
@@ -54,7 +60,8 @@ class Variant:
     @classmethod
     def parse(cls, spec: str) -> "Variant":
         fmt = parse_kv_format(spec, "--formats item")  # the ledger's one grammar: fp8 is fp8_e4m3, fp16 float16
-        return cls(spec.strip(), fmt.k_dtype, fmt.v_dtype, fmt.scales or "token")
+        return cls(spec.strip(), fmt.k_dtype, fmt.v_dtype, fmt.scales or default_kv_scale(fmt.k_dtype, fmt.v_dtype)
+                   or "token")
 
     def engine_changes(self) -> dict[str, str]:
         return {"kv_cache_dtype": "auto", "k_cache_dtype": self.k_cache_dtype,
@@ -70,9 +77,10 @@ class EvalOptions:
     gen_tokens: int = 128
     capacity_memory: int = 1 << 30  # KV memory the capacity columns are priced at
     capacity_seq_len: int = 2048
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # tokens per scoring pass: bounds memory at any context
 
     def __post_init__(self) -> None:
-        for name in ("windows", "num_prompts", "prompt_tokens", "gen_tokens", "capacity_seq_len"):
+        for name in ("windows", "num_prompts", "prompt_tokens", "gen_tokens", "capacity_seq_len", "prefill_chunk"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not self.contexts or any(not isinstance(c, int) or c < 2 for c in self.contexts):
@@ -89,6 +97,7 @@ class RowResult:
     blocks: int  # blocks in options.capacity_memory
     sequences: int  # full capacity_seq_len sequences in options.capacity_memory
     perplexity: dict[int, float] = field(default_factory=dict)
+    depth: list[float] = field(default_factory=list)  # perplexity of each quarter of the longest context's windows
     kl: float = 0.0
     step_agreement: float = 1.0
     same_prefix: float = 1.0  # mean fraction of gen_tokens before the first difference
@@ -135,13 +144,7 @@ def _nll_sum(logp: torch.Tensor, ids: list[int]) -> float:
     return -float(logp[:-1].gather(1, target[:, None]).sum())
 
 
-def _kl_sum(base: torch.Tensor, other: torch.Tensor, rows: int = 256) -> float:
-    """Sum over positions of KL(base || other), both log-probabilities; chunked to bound memory."""
-    total = 0.0
-    for i in range(0, base.shape[0], rows):
-        b, o = base[i : i + rows], other[i : i + rows]
-        total += float((b.exp() * (b - o)).sum())
-    return total
+_kl_sum = kl_sum  # the one-pass helpers the weight-quantization eval shares (weight_quant_eval.py)
 
 
 class KVQuantEval:
@@ -160,7 +163,7 @@ class KVQuantEval:
         self.windows = {c: [self.corpus[w * c : (w + 1) * c] for w in range(options.windows)] for c in options.contexts}
         self.prompts = prompt_token_ids(tok, options.num_prompts, options.prompt_tokens)
         self.greedy = SamplingParams(temperature=0, max_tokens=options.gen_tokens, ignore_eos=True)
-        self.base_logp: dict[tuple[int, int], torch.Tensor] = {}
+        self.base_logp: dict[tuple[int, int], torch.Tensor] = {}  # the reference's kept log-probabilities
         self.base_outputs: list[list[int]] = []
 
     def _generate(self) -> list[list[int]]:
@@ -188,18 +191,23 @@ class KVQuantEval:
         )
         reference = not self.base_logp
         kl_total, kl_count = 0.0, 0
+        longest = max(self.windows)
         for c, windows in self.windows.items():
-            nll, n = 0.0, 0
+            nll, n, deep = 0.0, 0, []
             for w, ids in enumerate(windows):
-                logp = _log_probs(eng.prompt_logits(ids))
-                nll, n = nll + _nll_sum(logp, ids), n + len(ids) - 1
+                score = score_window(eng, ids, opts.prefill_chunk)
+                nll, n = nll + score.nll_sum, n + len(ids) - 1
+                deep.append(score.nll)
                 if reference:
-                    self.base_logp[(c, w)] = logp
+                    self.base_logp[(c, w)] = score.logp
                 else:
-                    kl_total += _kl_sum(self.base_logp[(c, w)], logp)
-                    kl_count += logp.shape[0]
+                    kl_total += kl_sum(self.base_logp[(c, w)], score.logp)
+                    kl_count += score.logp.shape[0]
                 tick()
             row.perplexity[c] = math.exp(nll / n)
+            if c == longest:
+                quarters = [depth_perplexity(d) for d in deep]  # mean NLL per quarter over the windows
+                row.depth = [math.exp(sum(math.log(q[i]) for q in quarters) / len(quarters)) for i in range(4)]
         row.kl = kl_total / kl_count if kl_count else 0.0
         outputs = self._generate()
         tick()

@@ -16,6 +16,16 @@ def storage_label(row: RowResult) -> str:
     return name
 
 
+def increase(row: RowResult, ref: RowResult, context: int) -> float:
+    """Perplexity increase over the reference at `context`, in percent."""
+    return 100 * (row.perplexity[context] / ref.perplexity[context] - 1)
+
+
+def _ppl_cell(row: RowResult, ref: RowResult, context: int) -> str:
+    cell = f"{row.perplexity[context]:.3f}"
+    return cell if row is ref else f"{cell} ({increase(row, ref, context):+.2f}%)"
+
+
 def render_table(rows: list[RowResult], opts: EvalOptions, model: str) -> str:
     ref = rows[0]
     contexts = sorted(ref.perplexity)
@@ -24,13 +34,14 @@ def render_table(rows: list[RowResult], opts: EvalOptions, model: str) -> str:
     body = []
     for r in rows:
         body.append([storage_label(r), format_bytes(r.bytes_per_token)]
-                    + [f"{r.perplexity[c]:.3f}" for c in contexts]
+                    + [_ppl_cell(r, ref, c) for c in contexts]
                     + [f"{r.kl:.5f}", f"{100 * r.step_agreement:.1f}%", f"{100 * r.same_prefix:.1f}%",
                        str(r.sequences), f"{r.blocks / ref.blocks:.2f}x"])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = [
         f"kvforge eval kv-quant: {model}; text = CPython pydoc topics; reference = first row (unquantized)",
-        f"  ppl: {opts.windows} window(s) per context; KL: mean next-token KL(ref || row) over those positions; "
+        f"  ppl (+% vs ref): {opts.windows} window(s) per context, scored in {opts.prefill_chunk}-token prefill "
+        f"chunks; KL: mean next-token KL(ref || row) over those positions; "
         f"greedy: {opts.num_prompts} prompts x {opts.gen_tokens} tokens",
         f"  capacity at {format_bytes(opts.capacity_memory)} of KV memory (ledger): "
         f"{ref.blocks} blocks for the reference; seqs = full {opts.capacity_seq_len}-token sequences at once",
@@ -60,7 +71,8 @@ def save_plot(rows: list[RowResult], path: str) -> None:
     except ImportError:
         raise ValueError("--plot needs matplotlib (pip install 'kvforge[plot]')") from None
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    contexts = sorted(rows[0].perplexity)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 5))
     for r in rows[1:]:
         ax1.scatter(r.bytes_per_token / 1024, max(r.kl, 1e-7))
         ax1.annotate(storage_label(r), (r.bytes_per_token / 1024, max(r.kl, 1e-7)), fontsize=7)
@@ -74,6 +86,14 @@ def save_plot(rows: list[RowResult], path: str) -> None:
     ax2.invert_yaxis()
     ax2.tick_params(axis="y", labelsize=7)
     ax2.legend(loc="lower left", fontsize=7)
+    for r in rows[1:]:  # the seed's long-context claim: does the error grow with the context?
+        ax3.plot(contexts, [increase(r, rows[0], c) for c in contexts], marker="o", label=storage_label(r))
+    ax3.axhline(1.0, color="gray", ls="--", lw=0.8)
+    ax3.set_xscale("log", base=2)
+    ax3.set_xticks(contexts, [str(c) for c in contexts])
+    ax3.set_xlabel("context length (tokens)")
+    ax3.set_ylabel("perplexity increase vs unquantized (%)")
+    ax3.legend(fontsize=6, ncol=2)
     fig.suptitle("kvforge eval kv-quant")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvforge import ledger
 from kvforge.ledger import format_bytes
-from kvforge.planner import arch
+from kvforge.planner import arch, kv_quality
 from kvforge.planner.capacity import (
     Column, PlanOptions, activation_bytes, concurrency, model_max_len, prefill_transient,
 )
@@ -172,12 +172,34 @@ def prefill_peak(col: Column, opts: PlanOptions) -> Lint:
                 f"more than the {format_bytes(headroom)} left outside the budget: it does not fit; {fix}.", nums)
 
 
+def kv_quant_quality(col: Column, opts: PlanOptions) -> Lint | None:
+    """A KV format the recorded curve (`planner/kv_quality.py`) shows losing more than 1% perplexity at
+    the configuration's max_model_len: quantization error grows with the context, so a format that is
+    fine at 2K can cost more at 8K. Names the measured point, its source and the K-16-bit remedy."""
+    context = opts.max_model_len or model_max_len(col.cfg)
+    point = kv_quality.loss_at(col.fmt, context)
+    if point is None or point.increase_pct <= kv_quality.LOSS_LIMIT_PCT:
+        return None
+    remedy = kv_quality.remedy(col.fmt, point.context)
+    fix = (f" Keep K in 16 bit and quantize V only ({remedy.key}: {remedy.increase_pct:+.2f}% at {remedy.context}),"
+           if remedy else " Keep K in 16 bit and quantize V only (--k-cache-dtype auto),")
+    msg = (f"{col.label}: KV format {kv_quality.curve_key(col.fmt)} measured {point.increase_pct:+.2f}% perplexity "
+           f"at {point.context} tokens ({kv_quality.MEASURED_ON}; {point.source}), above the "
+           f"{kv_quality.LOSS_LIMIT_PCT:.0f}% limit, and max_model_len={context} is at least that long: "
+           f"quantization error grows with the context.{fix} or use int8; a different model can differ "
+           f"(kvforge eval kv-quant --contexts {point.context} measures yours).")
+    return Lint("kv-quant-loss-at-length", "warning", msg, {
+        "format": kv_quality.curve_key(col.fmt), "max_model_len": context, "measured_context": point.context,
+        "increase_pct": point.increase_pct, "source": point.source,
+        "remedy": None if remedy is None else remedy.key})
+
+
 def column_lints(
     col: Column, opts: PlanOptions, offload_bandwidth: float | None = None, hbm_bandwidth: float = 2e12,
     tiers: dict[str, tuple[int, float]] | None = None, prefill_rate: float | None = None,
 ) -> list[Lint]:
     """All per-configuration lints, most costly mistakes first."""
-    found = [missing_kv_heads(col), max_model_len_waste(col, opts)]
+    found = [missing_kv_heads(col), max_model_len_waste(col, opts), kv_quant_quality(col, opts)]
     if offload_bandwidth:
         found.append(offload_cost(col, opts, offload_bandwidth, hbm_bandwidth))
     if tiers and prefill_rate:
