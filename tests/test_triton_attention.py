@@ -145,6 +145,14 @@ def test_dispatch_takes_triton_only_when_asked_or_on_cuda():
     _close(paged_attention(q, cache, meta, SCALE), reference(q, cache, _decode_meta(), SCALE), 1e-5)
 
 
+def _plus_zero(codes: torch.Tensor, fmt_name: str) -> torch.Tensor:
+    """fp8 codes with -0 (0x80) read as +0: a value too small for fp8 rounds to a zero whose sign torch keeps
+    and Triton's interpreter does not; both decode to exactly 0.0 (seen on about 1 random input in 75)."""
+    if not fmt_name.startswith("fp8"):
+        return codes
+    return torch.where(codes == 0x80, torch.zeros_like(codes), codes)
+
+
 WRITE_CASES = [("fp8_e4m3", "token"), ("fp8_e5m2", "head"), ("int8", "tensor"), ("int8", "head"), ("int4", "token"),
                ("int4", "head")]
 
@@ -154,6 +162,7 @@ def test_quantize_on_write_kernel_gives_torch_codes_and_scales(fmt_name, gran):
     from kvforge.kv.storage.triton_codec import quantize_rows_triton
 
     fmt = get_format(fmt_name)
+    torch.manual_seed(37)  # an input where a tiny negative value rounds to fp8 -0 in torch (see _plus_zero)
     x = torch.randn(5, HKV, D) * torch.tensor([0.01, 3.0])[None, :, None]
     x[2] = 0.0  # an all-zero row gets the floor scale, not a division by zero
     slots = torch.tensor([17, 3, 40, 41, 8])
@@ -166,7 +175,7 @@ def test_quantize_on_write_kernel_gives_torch_codes_and_scales(fmt_name, gran):
     codes = codes.cpu()
     want_scale = static[0] if static is not None else absmax_scales(x, gran, fmt)
     want = quantize(x, want_scale if static is not None else expand_scale(want_scale, gran), fmt)
-    assert torch.equal(codes[slots], want)
+    assert torch.equal(_plus_zero(codes[slots], fmt_name), _plus_zero(want, fmt_name))
     if scales is not None:
         assert torch.equal(scales.cpu()[slots], want_scale)
     untouched = torch.ones(NB * BS, dtype=torch.bool)

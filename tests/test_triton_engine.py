@@ -74,3 +74,20 @@ def test_triton_backend_softcap_hybrid_groups_and_mla_match_transformers(tiny_mo
     prompt = list(range(40, 58))  # longer than the Gemma windows (8)
     out = _llm(path, attention_backend="triton").generate(prompt_token_ids=[prompt], sampling_params=GREEDY)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, NEW)
+
+
+@pytest.mark.slow
+def test_triton_backend_applies_structured_output_masks_where_the_logits_are():
+    """The default model through the Triton kernels: a choice constraint holds at temperature 1 (the
+    bitmask is moved to the logits' device and applied there, so on CUDA sampling stays on the GPU)."""
+    from kvforge import StructuredOutputsParams
+
+    choices = ["red", "green", "blue"]
+    llm = LLM(log_ledger=False, attention_backend="triton", device=DEVICE, dtype="float32", num_kv_blocks=16,
+              block_size=16)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=4,
+                             structured_outputs=StructuredOutputsParams(choice=choices)) for s in range(3)]
+    outs = llm.generate(["Pick a colour:"] * 3, params)
+    assert all(o.outputs[0].text in choices for o in outs)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    assert_no_leaks(llm.engine)
