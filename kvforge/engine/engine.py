@@ -74,6 +74,8 @@ class LLMEngine:
             self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
             self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             check_backend_device(opts.attention_backend, self.device.type)  # e.g. triton on CPU, no interpreter
+            if self.device.type == "cpu":
+                prebuild_cpu_kernels()  # first run: the C kernels compile while the weights load
             dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
             opts = config.model_options
@@ -403,3 +405,16 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+
+
+def prebuild_cpu_kernels() -> None:
+    """Compile the C kernels a CPU model runs (kvforge/native) side by side, in the background.
+
+    The weight-only quantization kernels are left to their first use: only `quantization=` needs them."""
+    from kvforge.attention import cpu_kernel
+    from kvforge.kv import quant_kernel
+    from kvforge.models import decode_layers, fused, panel_linear
+    from kvforge.native import prebuild
+
+    prebuild(cpu_kernel.LIBRARY, panel_linear.LIBRARY, panel_linear.LIBRARY_BF16, fused.LIBRARY, decode_layers.LIBRARY,
+             quant_kernel.LIBRARY)

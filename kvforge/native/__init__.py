@@ -171,3 +171,19 @@ class NativeLibrary:
             detail = getattr(exc, "stderr", "") or str(exc)
             return None, f"building {self.what} failed: {detail.strip()[:500]}"
         return lib, None
+
+
+def prebuild(*libraries: NativeLibrary) -> list[threading.Thread]:
+    """Start building, side by side, the libraries not yet in the cache, each in a daemon thread.
+
+    Why: each library is otherwise compiled on its first call, one after the next; started together
+    while the weights load, the compilers share the cores with the load instead of queueing after it.
+    A later `load()` waits on the library's lock for its build to finish."""
+    threads = []
+    for lib in libraries:
+        if lib._lib is None and lib.error is None:
+            t = threading.Thread(target=lib.load, name=f"kvforge-build-{lib.sources[0].stem}", daemon=True)
+            t.start()
+            threads.append(t)
+    return threads
+

@@ -17,6 +17,16 @@
 #include "kvf_omp.h"
 
 /* Load n elements of dtype `code` starting at p into dst as fp32. */
+/* Build time (issue 39): the decode kernel's variants (head-group size G x storage code x path) used to
+ * be inlined into one OpenMP body, and gcc's dataflow and register-allocation passes grow faster than
+ * linearly with a function's size: ~64 s of CPU for paged_decode.c. Each kernel a decode step calls per
+ * 16-token chunk is instead its own function (KVF_OUTLINED), with its storage code and mode fixed by a
+ * wrapper (KVF_Q8_VARIANT below) and G fixed by gcc's interprocedural constant propagation, which
+ * clones a function once per constant it is called with (the attention library is built with
+ * `--param ipa-cp-eval-threshold=1` so that every G gets its clone: kvforge/attention/cpu_kernel.py).
+ * The clones hold the same code as the inlined variants did; a call per chunk costs nothing measurable. */
+#define KVF_OUTLINED static __attribute__((noinline))
+
 static inline __attribute__((always_inline)) void load_row(float *restrict dst, const void *p, int n, int code) {
     if (code == 0) {
         memcpy(dst, p, (size_t)n * sizeof(float));
@@ -255,7 +265,7 @@ static inline __attribute__((always_inline)) void load64(const char *p, int code
  * into st[g * n + i]. G is a compile-time constant at every call site, so the per-head loops
  * unroll. bf16 rows are multiplied as bf16 pairs (exact products, fp32 sums) where the CPU has
  * AVX512-BF16; fp32 queries (qf, 4 vectors a head) are used otherwise. */
-static inline __attribute__((always_inline)) void scores_d64(
+KVF_OUTLINED void scores_d64(
     const char *qp, const char *k_cache, const int64_t *slots, int64_t i0, int cnt, int64_t n, size_t k_row,
     size_t head_off, int code, float *st, const char *v_cache, size_t v_row, const int G) {
     __m512 part[8 * 16];
@@ -296,7 +306,7 @@ static inline __attribute__((always_inline)) void scores_d64(
 
 /* acc[g] += sum over rows [i0, i0 + cnt) of p_gi * v_i for one KV head, head size 64, where p_gi = e[g * n + i] x
  * inv[g] (the softmax's exponentials and 1 / their sum); the G x 64 accumulators stay in registers across the rows. */
-static inline __attribute__((always_inline)) void values_d64(
+KVF_OUTLINED void values_d64(
     const float *e, const float *inv, const char *v_cache, const int64_t *slots, int64_t i0, int cnt, int64_t n,
     size_t v_row, size_t head_off, int code, float *acc_mem, const int G) {
     __m512 acc[8][4];
@@ -344,7 +354,7 @@ static inline __attribute__((always_inline)) void prefetch_run_starts(const char
  * tiles are scored together, each query loaded once for them. Each tile's scores are still its 16 rows'
  * products reduced together, so they are bitwise `scores_d64`'s.
  * part: scratch of KVF_ROW_STREAMS * HG * G * 16 vectors. */
-static inline __attribute__((always_inline)) void scores_rows_f32(
+KVF_OUTLINED void scores_rows_f32(
     const float *qf, const char *k_cache, const int64_t *slots, int64_t i0, int64_t n, size_t k_row,
     size_t off0, int64_t HG, float *st, __m512 *part, const int G) {
     const size_t seg = (size_t)HG * 256;
@@ -384,7 +394,7 @@ static inline __attribute__((always_inline)) void scores_rows_f32(
  * KVF_ROW_STREAMS tiles in turn). The rows r of the tiles are added together, each head's accumulators
  * (in memory, acc) loaded and stored once for them. The order depends on n alone, so a sequence's output
  * does not depend on its batch. */
-static inline __attribute__((always_inline)) void values_rows_f32(
+KVF_OUTLINED void values_rows_f32(
     const float *e, const float *inv, const char *v_cache, const int64_t *slots, int64_t n, size_t v_row,
     size_t off0, int64_t HG, float *acc, const int G) {
     const size_t seg = (size_t)HG * 256;
@@ -800,7 +810,7 @@ static void probs_q8_to_i16(const float *e, const float *inv, const float *fac, 
 }
 
 /* acc[g] (int32, in unpack order as `values_d64_bf16`) += sum over rows [i0, i0 + cnt) of pi[g][i] * codes_i */
-static inline __attribute__((always_inline)) void values_i8_vnni(
+KVF_OUTLINED void values_i8_vnni(
     const int16_t *pi, const kvf_kv *V, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t npad, int64_t h,
     int32_t *acc_mem, const int G) {
     __m512i acc[8][4];

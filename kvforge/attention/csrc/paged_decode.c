@@ -66,6 +66,57 @@ static int dense_rows(const kvf_kv *op, int code, int64_t HKV, int64_t dim) {
     return op->code == code && op->gran == KVF_SCALE_NONE && op->head_bytes == dim * esz && op->row_bytes == HKV * dim * esz;
 }
 
+/* The 8-bit kernels with their storage code (and scores' query mode) fixed: one outlined wrapper per
+ * combination the dispatch below uses, each cloned per G (paged_common.h, KVF_OUTLINED, says why). */
+#if defined(KVF_HAVE_AVX512)
+#define KVF_SCORES_Q8_AS(NAME, CODE, KIND)                                                                   \
+    KVF_OUTLINED void NAME(const float *qs, const char *qp, const int16_t *qi, const float *qscale,          \
+                           const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h, \
+                           float *st, const int G) {                                                         \
+        scores_q8(qs, qp, qi, qscale, K, slots, i0, cnt, n, h, st, G, CODE, KIND);                           \
+    }
+#define KVF_VALUES_Q8_AS(NAME, CODE)                                                                         \
+    KVF_OUTLINED void NAME(const float *e, const float *inv, const kvf_kv *V, const int64_t *slots,          \
+                           int64_t i0, int cnt, int64_t n, int64_t h, const float *fac, float *acc_mem,      \
+                           const int G) {                                                                    \
+        values_q8(e, inv, V, slots, i0, cnt, n, h, fac, acc_mem, G, CODE);                                   \
+    }
+KVF_SCORES_Q8_AS(scores_q8_int8_f32, KVF_INT8, SQ_F32)
+KVF_SCORES_Q8_AS(scores_q8_e4m3_f32, KVF_E4M3, SQ_F32)
+KVF_SCORES_Q8_AS(scores_q8_e5m2_f32, KVF_E5M2, SQ_F32)
+KVF_VALUES_Q8_AS(values_q8_int8, KVF_INT8)
+KVF_VALUES_Q8_AS(values_q8_e4m3, KVF_E4M3)
+KVF_VALUES_Q8_AS(values_q8_e5m2, KVF_E5M2)
+/* zcode is a constant in each branch of KVF_DISPATCH_Q8 / _FP8, so these choices fold away */
+#define KVF_BY_CODE(PREFIX, SUFFIX) \
+    (zcode == KVF_INT8 ? PREFIX##int8##SUFFIX : zcode == KVF_E4M3 ? PREFIX##e4m3##SUFFIX : PREFIX##e5m2##SUFFIX)
+#if defined(__AVX512BF16__)
+KVF_SCORES_Q8_AS(scores_q8_int8_bf16, KVF_INT8, SQ_BF16)
+KVF_SCORES_Q8_AS(scores_q8_e4m3_bf16, KVF_E4M3, SQ_BF16)
+KVF_SCORES_Q8_AS(scores_q8_e5m2_bf16, KVF_E5M2, SQ_BF16)
+#define KVF_VALUES_BF16_AS(NAME, CODE, LUT)                                                                  \
+    KVF_OUTLINED void NAME(const uint16_t *pb, const char *v_cache, const int64_t *slots, int64_t i0, int cnt,\
+                           int64_t n, int64_t npad, size_t v_row, size_t head_off, float *acc_mem, const int G,  \
+                           const float *fac) {                                                               \
+        values_d64_bf16(pb, v_cache, slots, i0, cnt, n, npad, v_row, head_off, acc_mem, G, fac, CODE, LUT); \
+    }
+KVF_VALUES_BF16_AS(values_bf16_rows, 0, 0)
+KVF_VALUES_BF16_AS(values_bf16_int8, KVF_INT8, 0)
+KVF_VALUES_BF16_AS(values_bf16_e4m3, KVF_E4M3, 0)
+KVF_VALUES_BF16_AS(values_bf16_e5m2, KVF_E5M2, 0)
+KVF_VALUES_BF16_AS(values_bf16_e4m3_lut, KVF_E4M3, 1)
+KVF_VALUES_BF16_AS(values_bf16_e5m2_lut, KVF_E5M2, 1)
+#endif
+#define KVF_BY_FP8(PREFIX, SUFFIX) (zcode == KVF_E4M3 ? PREFIX##e4m3##SUFFIX : PREFIX##e5m2##SUFFIX)
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+KVF_SCORES_Q8_AS(scores_q8_int8_i16, KVF_INT8, SQ_I16)
+#endif
+#if defined(KVF_HAVE_FP8_LUT)
+KVF_SCORES_Q8_AS(scores_q8_e4m3_lut, KVF_E4M3, SQ_LUT)
+KVF_SCORES_Q8_AS(scores_q8_e5m2_lut, KVF_E5M2, SQ_LUT)
+#endif
+#endif
+
 int kvf_paged_decode(
     const void *q, const kvf_kv *K, const kvf_kv *V, const int64_t *tables, const int64_t *seq_lens,
     void *out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t DV, int64_t BS, int64_t MAXNB,
@@ -206,7 +257,7 @@ int kvf_paged_decode(
                         (void)qp, (void)qij, (void)qsj; /* each build uses the ones its paths take */
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
                         if (i8_k) {
-#define KVF_SCORES(GC) scores_q8(NULL, NULL, qij, qsj, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, KVF_INT8, SQ_I16)
+#define KVF_SCORES(GC) scores_q8_int8_i16(NULL, NULL, qij, qsj, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC)
                             KVF_DISPATCH_G(G, KVF_SCORES)
 #undef KVF_SCORES
                             continue;
@@ -214,7 +265,7 @@ int kvf_paged_decode(
 #endif
 #if defined(KVF_HAVE_FP8_LUT)
                         if (lut_k) {
-#define KVF_SCORES(GC) scores_q8(NULL, (const char *)(qlut + j * G * 64), NULL, NULL, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode, SQ_LUT)
+#define KVF_SCORES(GC) KVF_BY_FP8(scores_q8_, _lut)(NULL, (const char *)(qlut + j * G * 64), NULL, NULL, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC)
                             KVF_DISPATCH_FP8(K->code, KVF_SCORES)
 #undef KVF_SCORES
                             continue;
@@ -222,13 +273,13 @@ int kvf_paged_decode(
 #endif
 #if defined(__AVX512BF16__)
                         if (dtype_code == 1) {
-#define KVF_SCORES(GC) scores_q8(NULL, qp, NULL, NULL, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode, SQ_BF16)
+#define KVF_SCORES(GC) KVF_BY_CODE(scores_q8_, _bf16)(NULL, qp, NULL, NULL, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC)
                             KVF_DISPATCH_Q8(K->code, KVF_SCORES)
 #undef KVF_SCORES
                             continue;
                         }
 #endif
-#define KVF_SCORES(GC) scores_q8(qf + j * G * 64, NULL, NULL, NULL, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC, zcode, SQ_F32)
+#define KVF_SCORES(GC) KVF_BY_CODE(scores_q8_, _f32)(qf + j * G * 64, NULL, NULL, NULL, K, slots, i0, cnt, n, kv0 + j, scores + (j * G) * n, GC)
                         KVF_DISPATCH_Q8(K->code, KVF_SCORES)
 #undef KVF_SCORES
                     }
@@ -326,7 +377,7 @@ int kvf_paged_decode(
                         const size_t off = (size_t)(kv0 + j) * DV * esz;
 #if defined(__AVX512BF16__)
                         if (bf16_pairs) {
-#define KVF_VALUES(GC) values_d64_bf16(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, n, npad, v_row, off, acc + (j * G) * DV, GC, NULL, 0, 0)
+#define KVF_VALUES(GC) values_bf16_rows(pb16 + (j * G) * npad, (const char *)v_cache, slots, i0, cnt, n, npad, v_row, off, acc + (j * G) * DV, GC, NULL)
                             KVF_DISPATCH_G(G, KVF_VALUES)
 #undef KVF_VALUES
                             continue;
@@ -380,9 +431,9 @@ int kvf_paged_decode(
                     for (int64_t i0 = 0; i0 < n; i0 += 16) {
                         const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                         for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC, LUT) values_d64_bf16(pb16 + (j * G) * npad, V->data, slots, i0, cnt, n, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, fac + j * n, zcode, LUT)
-#define KVF_VALUES_LUT(GC) KVF_VALUES(GC, 1)
-#define KVF_VALUES_DEQUANT(GC) KVF_VALUES(GC, 0)
+#define KVF_VALUES(FN, GC) FN(pb16 + (j * G) * npad, V->data, slots, i0, cnt, n, npad, (size_t)V->row_bytes, (size_t)((kv0 + j) * V->head_bytes), acc + (j * G) * DV, GC, fac + j * n)
+#define KVF_VALUES_LUT(GC) KVF_VALUES(KVF_BY_FP8(values_bf16_, _lut), GC)
+#define KVF_VALUES_DEQUANT(GC) KVF_VALUES(KVF_BY_CODE(values_bf16_, ), GC)
                             if (lut) {
                                 KVF_DISPATCH_FP8(V->code, KVF_VALUES_LUT)
                             } else {
@@ -399,7 +450,7 @@ int kvf_paged_decode(
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
                     const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                     for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC) values_q8(scores + (j * G) * n, pinv + j * G, V, slots, i0, cnt, n, kv0 + j, fac + j * n, acc + (j * G) * DV, GC, zcode)
+#define KVF_VALUES(GC) KVF_BY_CODE(values_q8_, )(scores + (j * G) * n, pinv + j * G, V, slots, i0, cnt, n, kv0 + j, fac + j * n, acc + (j * G) * DV, GC)
                         KVF_DISPATCH_Q8(V->code, KVF_VALUES)
 #undef KVF_VALUES
                     }
