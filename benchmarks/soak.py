@@ -49,6 +49,17 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
+def _is_error_event(line: str) -> bool:
+    """An SSE event that carries an error object (not a completion whose text happens to be "error")."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return False
+    try:
+        event = json.loads(line[len("data: "):])
+    except ValueError:
+        return True  # a malformed event is an error too
+    return isinstance(event, dict) and "error" in event
+
+
 class Traffic:
     """Client threads looping over the request mix; counts outcomes (anything but 200 is an error)."""
 
@@ -105,7 +116,7 @@ class Traffic:
                     n += line.startswith("data: ")
                     if stop_after is not None and n >= stop_after:
                         return self._count("aborted")
-                    if '"error"' in line:
+                    if _is_error_event(line):
                         return self._count("errors", line)
             return self._count("ok")
         r = http.post(path, json=body)
