@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from kvforge.engine.scheduler import SchedulerOutput
 
 
+MAX_EVENT_BLOCK_IDS = 64  # block ids an `evict` event lists per group; a bigger drop lists its first 64
+
+
 class KVMapObserver:
     """Owned by the `LLMEngine` (typed `Any` here: engine.py imports this module, not the reverse)."""
 
@@ -75,10 +78,15 @@ class KVMapObserver:
         waste = 1.0 - use.tokens_stored / contiguous if contiguous else None
         self.history.append((self.step, kv.pool.usage, kv.stats.hit_rate, use.utilization, waste))
 
-    def on_evict(self, req: "Request", num_blocks: int, policy: str) -> None:
-        """An eviction policy dropped `num_blocks` of `req`'s blocks this step."""
-        if num_blocks:
-            self.events.record("evict", self.step, request=req.request_id, blocks=num_blocks, policy=policy)
+    def on_evict(self, req: "Request", dropped: list[list[int]], policy: str) -> None:
+        """An eviction policy dropped the blocks `dropped` (ids per group) from `req`'s tables this step.
+
+        The event carries `blocks` (how many, group 0's count: the logical blocks dropped) and
+        `block_ids` per group, each cut to its first MAX_EVENT_BLOCK_IDS so a huge drop stays a small
+        event (`len(block_ids[g]) < blocks` says the list was cut)."""
+        if any(dropped):
+            self.events.record("evict", self.step, request=req.request_id, blocks=len(dropped[0]), policy=policy,
+                               block_ids=[ids[:MAX_EVENT_BLOCK_IDS] for ids in dropped])
 
     def snapshot(self, engine: Any, since: int | None = None, max_events: int = 200) -> dict[str, Any]:
         """The map as of the last step, with the events from sequence `since` on (None: the newest only)."""

@@ -298,14 +298,15 @@ class KVCacheCoordinator:
             counts[hit.tier if isinstance(hit, TierHit) else "device"] += self.block_size
         return counts
 
-    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> list[list[int]]:
         """KV eviction (one-group models): keep only the full blocks at `keep`; the table closes up.
 
-        Positions shift: the caller advances the request's `num_evicted_tokens` by the returned blocks x
-        block_size, and attention reads a shorter table with no mask (no null block is left in it).
+        Returns the evicted block ids per group (as `block_ids` does). Positions shift: the caller
+        advances the request's `num_evicted_tokens` by the evicted blocks x block_size, and attention
+        reads a shorter table with no mask (no null block is left in it).
         """
         assert self.num_groups == 1, "KV eviction serves one-group models"
-        return self.managers[0].evict_blocks(req, keep)
+        return [self.managers[0].evict_blocks(req, keep)]
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """`child` shares every block of `parent` in every group; its hash chain starts as a copy."""

@@ -37,7 +37,10 @@ def _event_text(e: dict[str, Any]) -> str:
     if kind == "preempt":
         return f"{e['request']}: preempted by {e['mode']}"
     if kind == "evict":
-        return f"{e['request']}: {e['policy']} dropped {e['blocks']} blocks"
+        groups = e.get("block_ids", [])
+        listed = "; ".join(", ".join(map(str, ids)) + (f", +{e['blocks'] - len(ids)} more" if e["blocks"] > len(ids) else "")
+                           for ids in groups if ids)
+        return f"{e['request']}: {e['policy']} dropped {e['blocks']} blocks" + (f" ({listed})" if listed else "")
     if kind == "tier_load":
         return f"loaded {len(e['blocks'])} blocks from a tier"
     if kind == "tier_store":
