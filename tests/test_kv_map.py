@@ -137,6 +137,39 @@ def test_preemption_events_name_recompute(gqa):
     assert len(readmitted) == len(pre)
 
 
+def test_swap_preemption_events_and_snapshot(gqa):
+    """preemption_mode="swap" with a host tier: each preempted request's blocks go to the host tier; the
+    event says swap, the snapshot of that step shows it waiting with no blocks and the host tier holding
+    them, and its re-admission is a recompute whose prefix comes back from the host tier."""
+    engine = _engine(gqa, num_kv_blocks=12, max_num_seqs=4, kv_offload_memory="1MiB", preemption_mode="swap")
+    for i in range(4):
+        engine.add_request(None, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                           list(range(20 + i, 32 + i)), request_id=f"r{i}")
+    swaps: list[tuple[str, int]] = []  # (request, step); a request may be swapped out more than once
+    while engine.has_unfinished_requests():
+        engine.step()
+        snap = check_snapshot(engine)
+        for e in events(engine, "preempt"):
+            if e["step"] != snap["step"]:
+                continue
+            (entry,) = [r for r in snap["requests"] if r["id"] == e["request"]]
+            assert entry["status"] == "waiting" and entry["tables"] == [[]] and entry["num_computed"] == 0
+            if e["mode"] == "swap":
+                swaps.append((e["request"], e["step"]))
+                host = {t["name"]: t for t in snap["tiers"]}["host"]
+                assert host["blocks_stored"] > 0 and host["used_bytes"] > 0  # the swapped blocks are there now
+    pre = events(engine, "preempt")
+    assert len(pre) == engine.scheduler.num_preemptions
+    assert len(swaps) == sum(e["mode"] == "swap" for e in pre) == engine.scheduler.num_swaps >= 1
+    assert engine.tier_stats()["host"]["swapped_out_blocks"] > 0
+    readmits = [e for e in events(engine, "admit") if any(e["request"] == r and e["step"] > s for r, s in swaps)]
+    assert readmits and all(e["recompute"] for e in readmits)
+    assert all(sum(e["by_tier"].values()) == e["cached_tokens"] <= e["tokens"] for e in readmits)
+    host_tokens = sum(e["by_tier"]["host"] for e in readmits)  # this admission's split, not the first one's
+    assert host_tokens == engine.tier_stats()["host"]["blocks_loaded"] * engine.kv.block_size > 0
+    assert events(engine, "tier_load")
+
+
 @pytest.mark.parametrize("cap", [None, 2], ids=["all-ids", "cut-to-2"])
 def test_eviction_events_name_the_blocks_the_coordinator_dropped(gqa, monkeypatch, cap):
     """Each `evict` event lists the ids the coordinator freed from the table, derived here from the table

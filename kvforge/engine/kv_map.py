@@ -49,9 +49,10 @@ class KVMapObserver:
         for chunk in out.chunks:
             req = chunk.request
             if req.request_id not in self._running:
+                # a re-admission after preemption needs its prompt and the tokens it generated so far
                 self.events.record("admit", step, request=req.request_id, prompt_tokens=req.num_prompt_tokens,
-                                   cached_tokens=chunk.start, by_tier=dict(req.cached_tokens_by_tier),
-                                   recompute=req.num_preemptions > 0)
+                                   tokens=req.num_tokens, cached_tokens=chunk.start,
+                                   by_tier=dict(req.admitted_tokens_by_tier), recompute=req.num_preemptions > 0)
         for g, pairs in enumerate(out.block_copies):
             for src, dst in pairs:
                 self.events.record("cow", step, group=g, src=src, dst=dst)

@@ -287,8 +287,10 @@ class KVCacheCoordinator:
         if not all(m.can_allocate(req, num_new_tokens, h) for m, h in zip(self.managers, hits)):
             return None
         hashes = self.block_hashes(req) if self.enable_caching else []
-        if req.num_computed_tokens == 0 and req.num_preemptions == 0 and req.request_id not in self.managers[0].tables:
-            req.cached_tokens_by_tier = self._count_by_tier(hits[0])
+        if req.num_computed_tokens == 0 and req.request_id not in self.managers[0].tables:  # an admission
+            req.admitted_tokens_by_tier = self._count_by_tier(hits[0])
+            if req.num_preemptions == 0:
+                req.cached_tokens_by_tier = dict(req.admitted_tokens_by_tier)
         return [m.commit_slots(req, num_new_tokens, h, hashes) for m, h in zip(self.managers, hits)]
 
     def _count_by_tier(self, hits: Sequence[KVBlock | TierHit]) -> dict[str, int]:
