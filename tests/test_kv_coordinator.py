@@ -122,11 +122,11 @@ def test_evict_blocks_frees_the_middle_of_a_table_and_closes_it_up():
     a = _req("a", list(range(21)))  # 5 full blocks and a 1-token tail
     prefill_then_decode(kv, a, 0)
     free = kv.pools[0].num_free_blocks
-    assert kv.evict_blocks(a, [0, 3, 4]) == 2
+    assert kv.evict_blocks(a, [0, 3, 4]) == [[1, 2]]  # the ids of the blocks at 1 and 2
     assert kv.block_ids("a")[0] == [0, 3, 4, 5]
     assert kv.pools[0].num_free_blocks == free + 2 and kv.num_held_blocks("a")[0] == 4
     a.num_evicted_tokens += 2 * BS
-    assert kv.evict_blocks(a, [0, 1, 2]) == 0  # every full block kept
+    assert kv.evict_blocks(a, [0, 1, 2]) == [[]]  # every full block kept
     a.append_token(7)
     assert kv.allocate_slots(a, 1) is not None  # the tail block (cache position 13 of 16) takes it
     a.num_computed_tokens += 1

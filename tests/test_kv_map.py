@@ -137,14 +137,73 @@ def test_preemption_events_name_recompute(gqa):
     assert len(readmitted) == len(pre)
 
 
-def test_eviction_events_count_the_dropped_blocks(gqa):
+def test_swap_preemption_events_and_snapshot(gqa):
+    """preemption_mode="swap" with a host tier: each preempted request's blocks go to the host tier; the
+    event says swap, the snapshot of that step shows it waiting with no blocks and the host tier holding
+    them, and its re-admission is a recompute whose prefix comes back from the host tier."""
+    engine = _engine(gqa, num_kv_blocks=12, max_num_seqs=4, kv_offload_memory="1MiB", preemption_mode="swap")
+    for i in range(4):
+        engine.add_request(None, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                           list(range(20 + i, 32 + i)), request_id=f"r{i}")
+    swaps: list[tuple[str, int]] = []  # (request, step); a request may be swapped out more than once
+    while engine.has_unfinished_requests():
+        engine.step()
+        snap = check_snapshot(engine)
+        for e in events(engine, "preempt"):
+            if e["step"] != snap["step"]:
+                continue
+            (entry,) = [r for r in snap["requests"] if r["id"] == e["request"]]
+            assert entry["status"] == "waiting" and entry["tables"] == [[]] and entry["num_computed"] == 0
+            if e["mode"] == "swap":
+                swaps.append((e["request"], e["step"]))
+                host = {t["name"]: t for t in snap["tiers"]}["host"]
+                assert host["blocks_stored"] > 0 and host["used_bytes"] > 0  # the swapped blocks are there now
+    pre = events(engine, "preempt")
+    assert len(pre) == engine.scheduler.num_preemptions
+    assert len(swaps) == sum(e["mode"] == "swap" for e in pre) == engine.scheduler.num_swaps >= 1
+    assert engine.tier_stats()["host"]["swapped_out_blocks"] > 0
+    readmits = [e for e in events(engine, "admit") if any(e["request"] == r and e["step"] > s for r, s in swaps)]
+    assert readmits and all(e["recompute"] for e in readmits)
+    assert all(sum(e["by_tier"].values()) == e["cached_tokens"] <= e["tokens"] for e in readmits)
+    host_tokens = sum(e["by_tier"]["host"] for e in readmits)  # this admission's split, not the first one's
+    assert host_tokens == engine.tier_stats()["host"]["blocks_loaded"] * engine.kv.block_size > 0
+    assert events(engine, "tier_load")
+
+
+@pytest.mark.parametrize("cap", [None, 2], ids=["all-ids", "cut-to-2"])
+def test_eviction_events_name_the_blocks_the_coordinator_dropped(gqa, monkeypatch, cap):
+    """Each `evict` event lists the ids the coordinator freed from the table, derived here from the table
+    before and after each `evict_blocks` call; with a cap, a bigger drop lists its first ids and the count."""
+    if cap is not None:
+        monkeypatch.setattr("kvforge.engine.kv_map.MAX_EVENT_BLOCK_IDS", cap)
     engine = _engine(gqa, kv_eviction="streaming", kv_budget=16, kv_sink_tokens=4)
+    kv, drops = engine.kv, []
+    real = kv.evict_blocks
+
+    def spy(req, keep):
+        before = kv.block_ids(req.request_id)
+        out = real(req, keep)
+        after = kv.block_ids(req.request_id)
+        gone = [[b for b in old if b not in set(new)] for old, new in zip(before, after)]
+        assert out == gone  # the coordinator reports what left the table
+        if any(gone):
+            drops.append((engine.kv_map.step, req.request_id, gone))
+        return out
+
+    monkeypatch.setattr(kv, "evict_blocks", spy)
     engine.add_request(None, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), list(range(10, 50)),
                        request_id="long")
     run_checked(engine)
     ev = events(engine, "evict")
-    assert ev and sum(e["blocks"] for e in ev) == engine.counters.num_evicted_blocks
+    assert len(drops) >= 2 and len(drops[0][2][0]) > 2  # the prompt's cut (several blocks), then decode's
+    limit = cap or 64
+    assert [(e["step"], e["request"], e["block_ids"]) for e in ev] == [
+        (step, rid, [ids[:limit] for ids in gone]) for step, rid, gone in drops]
+    assert [e["blocks"] for e in ev] == [len(gone[0]) for _, _, gone in drops]
+    assert sum(e["blocks"] for e in ev) == engine.counters.num_evicted_blocks
     assert {e["policy"] for e in ev} == {"streaming"}
+    if cap is not None:
+        assert any(e["blocks"] > len(e["block_ids"][0]) == cap for e in ev), "the prompt's cut is over the cap"
 
 
 def test_tier_loads_and_stores_appear(gqa):
@@ -205,3 +264,11 @@ def test_event_log_is_bounded_and_read_by_sequence():
     assert [e["seq"] for e in log.since(4)] == [4]
     with pytest.raises(ValueError, match="unknown KV event kind"):
         log.record("nonsense", 0)
+
+
+def test_kvforge_top_lists_the_dropped_block_ids():
+    from kvforge.server.kv_top import _event_text
+
+    e = {"kind": "evict", "request": "r", "policy": "streaming", "blocks": 5, "block_ids": [[3, 4]]}
+    assert _event_text(e) == "r: streaming dropped 5 blocks (3, 4, +3 more)"
+    assert _event_text({**e, "blocks": 2}) == "r: streaming dropped 2 blocks (3, 4)"

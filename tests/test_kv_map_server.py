@@ -222,3 +222,92 @@ def test_a_pool_of_100k_blocks_renders_as_ranges(tmp_path_factory, tmp_path):
         assert srv.app.state.kv_map_hub.build_seconds < 5  # sanity only: the pace adapts to it
     finally:
         srv.stop()
+
+
+class _FakeClock:
+    """The hub's time, advanced only by its own sleeps and by the snapshot builds: no wall clock involved."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class _MovingEngine:
+    """What the hub reads of an `AsyncEngine`: an observer that moves `steps_per_s` steps a fake second,
+    and whose snapshot costs `build_s` fake seconds on the engine thread."""
+
+    def __init__(self, clock: _FakeClock, steps_per_s: float, build_s: float = 0.0) -> None:
+        from types import SimpleNamespace
+
+        self.clock, self.steps_per_s, self.build_s = clock, steps_per_s, build_s
+        self.engine = SimpleNamespace(kv_map=self)
+        self.events = SimpleNamespace(next_seq=0)
+
+    @property
+    def step(self) -> int:
+        return int(self.clock.t * self.steps_per_s)
+
+    def snapshot(self, engine, since=None) -> dict:
+        self.clock.t += self.build_s
+        return {"step": self.step, "next_event": 0}
+
+    async def call(self, fn):
+        return fn(self.engine)
+
+
+def _stream_for(hub, seconds: float, interval: float | None = None) -> tuple[list[float], list[int], list[float]]:
+    """(fake times of the snapshot events, their steps, fake times of the keep-alives) of one viewer, up to
+    the first message at or after `seconds` fake seconds."""
+    import asyncio
+
+    async def run():
+        times, steps, keepalives = [], [], []
+        gen = hub.stream(interval)
+        async for chunk in gen:
+            if chunk.startswith(b"event: snapshot"):
+                times.append(hub.clock())
+                steps.append(json.loads(chunk.split(b"data: ", 1)[1])["step"])
+            else:
+                keepalives.append(hub.clock())
+            if hub.clock() >= seconds:
+                break
+        await gen.aclose()
+        return times, steps, keepalives
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("build_s,interval,gap", [
+    (0.0, None, 0.1),  # the engine moves 1000 steps a second: the stream sends 10 a second (DEFAULT_MAX_RATE)
+    (0.0, 0.5, 0.5),  # a viewer asking for one every 0.5 s gets that
+    (0.01, None, 0.5),  # a 10 ms snapshot: at most 2% of the engine thread (DEFAULT_MAX_DUTY), so 2 a second
+], ids=["max-rate", "viewer-interval", "max-duty"])
+def test_the_stream_is_rate_limited_on_an_injected_clock(build_s, interval, gap):
+    from kvforge.server.kv_map import DEFAULT_MAX_DUTY, DEFAULT_MAX_RATE, KVMapHub
+
+    assert DEFAULT_MAX_RATE == 10 and DEFAULT_MAX_DUTY == 0.02  # the gaps above are priced on these
+    clock = _FakeClock()
+    engine = _MovingEngine(clock, steps_per_s=1000, build_s=build_s)
+    hub = KVMapHub(engine, clock=clock, sleep=clock.sleep)
+    times, steps, _ = _stream_for(hub, seconds=10.0, interval=interval)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert min(gaps) >= gap - 1e-9, gaps
+    assert 10.0 / gap - 1 <= len(times) <= 10.0 / gap + 2  # paced, not starved
+    assert steps == sorted(set(steps)) and steps[-1] - steps[0] >= 1000 * 9  # each a newer step of a moving engine
+    assert hub.num_built == len(times)
+
+
+def test_an_idle_engine_gets_one_snapshot_then_keepalives():
+    from kvforge.server.kv_map import KEEPALIVE_S, KVMapHub
+
+    clock = _FakeClock()
+    hub = KVMapHub(_MovingEngine(clock, steps_per_s=0), clock=clock, sleep=clock.sleep)
+    times, _, keepalives = _stream_for(hub, seconds=3 * KEEPALIVE_S)
+    assert times == [0.0] and hub.num_built == 1  # nothing moved: nothing rebuilt
+    gaps = [b - a for a, b in zip(times + keepalives, keepalives)]
+    assert len(keepalives) >= 3 and all(KEEPALIVE_S < g <= KEEPALIVE_S + 0.1 + 1e-9 for g in gaps), gaps

@@ -349,8 +349,9 @@ class LLMEngine:
             for req in sched_out.preempted:  # recompute starts over: scores go with the blocks
                 self.eviction.release(req.request_id)
             for req in advanced:  # caught up with its tokens: cut to the budget (the prompt once, then a block at a time)
-                evicted = self.eviction.evict_if_due(req)
-                self.kv_map.on_evict(req, evicted, self.config.eviction_config.kv_eviction)
+                dropped = self.eviction.evict_if_due(req)
+                evicted = len(dropped[0])  # logical blocks (eviction serves one-group models)
+                self.kv_map.on_evict(req, dropped, self.config.eviction_config.kv_eviction)
                 self.counters.num_evicted_blocks += evicted
                 self.counters.num_evicted_tokens += evicted * self.kv.block_size
         self.counters.num_generation_tokens += len(advanced)

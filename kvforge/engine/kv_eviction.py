@@ -194,14 +194,16 @@ class EvictionTracker:
         return s
 
     # ---- eviction ---------------------------------------------------------------------------
-    def evict_if_due(self, req: Request) -> int:
-        """Evict `req` down to its budget once it has computed every known token; returns blocks evicted."""
+    def evict_if_due(self, req: Request) -> list[list[int]]:
+        """Evict `req` down to its budget once it has computed every known token; returns the evicted
+        block ids per group (empty lists when nothing was due)."""
         if req.kv_budget is None or req.is_finished or req.num_computed_tokens < req.num_tokens - 1:
-            return 0
+            return [[] for _ in range(self.kv.num_groups)]
         return self.evict(req)
 
-    def evict(self, req: Request) -> int:
-        """Evict `req`'s full blocks beyond its budget by the policy's rule now; returns how many."""
+    def evict(self, req: Request) -> list[list[int]]:
+        """Evict `req`'s full blocks beyond its budget by the policy's rule now; returns the evicted block
+        ids per group (`KVCacheCoordinator.evict_blocks`)."""
         assert req.kv_budget is not None
         bs, cfg = self.block_size, self.config
         length = req.num_cached_kv_tokens
@@ -215,12 +217,13 @@ class EvictionTracker:
                     scores += self._vote_scores(req.request_id, length)
         budget_blocks = req.kv_budget // bs
         if num_full <= budget_blocks:
-            return 0
+            return [[] for _ in range(self.kv.num_groups)]
         block_scores = scores[: num_full * bs].view(num_full, bs).sum(1).tolist() if scores is not None else None
         keep = blocks_to_keep(cfg.policy, num_full, budget_blocks, cfg.sink_blocks(bs), cfg.recent_blocks(bs, req.kv_budget),
                               block_scores)
         logical = self.logical_blocks(req)
-        evicted = self.kv.evict_blocks(req, keep)
+        dropped = self.kv.evict_blocks(req, keep)
+        evicted = len(dropped[0])  # one group: eviction serves one-group models
         req.num_evicted_tokens += evicted * bs
         req.evicted_tokens_total += evicted * bs
         req.evicted_blocks_total += evicted
@@ -228,7 +231,7 @@ class EvictionTracker:
         if scores is not None:
             idx = torch.cat([torch.arange(b * bs, (b + 1) * bs) for b in keep] + [torch.arange(num_full * bs, length)])
             self.scores[req.request_id] = scores[idx].clone()
-        return evicted
+        return dropped
 
     def release(self, request_id: str) -> None:
         """Forget a finished, aborted or preempted sequence's scores."""

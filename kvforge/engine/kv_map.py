@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from kvforge.engine.scheduler import SchedulerOutput
 
 
+MAX_EVENT_BLOCK_IDS = 64  # block ids an `evict` event lists per group; a bigger drop lists its first 64
+
+
 class KVMapObserver:
     """Owned by the `LLMEngine` (typed `Any` here: engine.py imports this module, not the reverse)."""
 
@@ -46,9 +49,10 @@ class KVMapObserver:
         for chunk in out.chunks:
             req = chunk.request
             if req.request_id not in self._running:
+                # a re-admission after preemption needs its prompt and the tokens it generated so far
                 self.events.record("admit", step, request=req.request_id, prompt_tokens=req.num_prompt_tokens,
-                                   cached_tokens=chunk.start, by_tier=dict(req.cached_tokens_by_tier),
-                                   recompute=req.num_preemptions > 0)
+                                   tokens=req.num_tokens, cached_tokens=chunk.start,
+                                   by_tier=dict(req.admitted_tokens_by_tier), recompute=req.num_preemptions > 0)
         for g, pairs in enumerate(out.block_copies):
             for src, dst in pairs:
                 self.events.record("cow", step, group=g, src=src, dst=dst)
@@ -75,10 +79,15 @@ class KVMapObserver:
         waste = 1.0 - use.tokens_stored / contiguous if contiguous else None
         self.history.append((self.step, kv.pool.usage, kv.stats.hit_rate, use.utilization, waste))
 
-    def on_evict(self, req: "Request", num_blocks: int, policy: str) -> None:
-        """An eviction policy dropped `num_blocks` of `req`'s blocks this step."""
-        if num_blocks:
-            self.events.record("evict", self.step, request=req.request_id, blocks=num_blocks, policy=policy)
+    def on_evict(self, req: "Request", dropped: list[list[int]], policy: str) -> None:
+        """An eviction policy dropped the blocks `dropped` (ids per group) from `req`'s tables this step.
+
+        The event carries `blocks` (how many, group 0's count: the logical blocks dropped) and
+        `block_ids` per group, each cut to its first MAX_EVENT_BLOCK_IDS so a huge drop stays a small
+        event (`len(block_ids[g]) < blocks` says the list was cut)."""
+        if any(dropped):
+            self.events.record("evict", self.step, request=req.request_id, blocks=len(dropped[0]), policy=policy,
+                               block_ids=[ids[:MAX_EVENT_BLOCK_IDS] for ids in dropped])
 
     def snapshot(self, engine: Any, since: int | None = None, max_events: int = 200) -> dict[str, Any]:
         """The map as of the last step, with the events from sequence `since` on (None: the newest only)."""

@@ -38,6 +38,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # that hit per level: device, host, disk
+    admitted_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # the same for the latest (re)admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None

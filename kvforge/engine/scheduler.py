@@ -152,6 +152,7 @@ class Scheduler:
                 parent.arrival_time, RequestStatus.RUNNING, num_computed_tokens=parent.num_computed_tokens,
                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
                 cached_tokens_by_tier=dict(parent.cached_tokens_by_tier),
+                admitted_tokens_by_tier=dict(parent.admitted_tokens_by_tier),
                 first_scheduled_time=parent.first_scheduled_time, parent_id=parent.request_id, sample_index=i,
                 kv_budget=parent.kv_budget, num_evicted_tokens=parent.num_evicted_tokens,
             )

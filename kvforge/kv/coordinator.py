@@ -287,8 +287,10 @@ class KVCacheCoordinator:
         if not all(m.can_allocate(req, num_new_tokens, h) for m, h in zip(self.managers, hits)):
             return None
         hashes = self.block_hashes(req) if self.enable_caching else []
-        if req.num_computed_tokens == 0 and req.num_preemptions == 0 and req.request_id not in self.managers[0].tables:
-            req.cached_tokens_by_tier = self._count_by_tier(hits[0])
+        if req.num_computed_tokens == 0 and req.request_id not in self.managers[0].tables:  # an admission
+            req.admitted_tokens_by_tier = self._count_by_tier(hits[0])
+            if req.num_preemptions == 0:
+                req.cached_tokens_by_tier = dict(req.admitted_tokens_by_tier)
         return [m.commit_slots(req, num_new_tokens, h, hashes) for m, h in zip(self.managers, hits)]
 
     def _count_by_tier(self, hits: Sequence[KVBlock | TierHit]) -> dict[str, int]:
@@ -298,14 +300,15 @@ class KVCacheCoordinator:
             counts[hit.tier if isinstance(hit, TierHit) else "device"] += self.block_size
         return counts
 
-    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> list[list[int]]:
         """KV eviction (one-group models): keep only the full blocks at `keep`; the table closes up.
 
-        Positions shift: the caller advances the request's `num_evicted_tokens` by the returned blocks x
-        block_size, and attention reads a shorter table with no mask (no null block is left in it).
+        Returns the evicted block ids per group (as `block_ids` does). Positions shift: the caller
+        advances the request's `num_evicted_tokens` by the evicted blocks x block_size, and attention
+        reads a shorter table with no mask (no null block is left in it).
         """
         assert self.num_groups == 1, "KV eviction serves one-group models"
-        return self.managers[0].evict_blocks(req, keep)
+        return [self.managers[0].evict_blocks(req, keep)]
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """`child` shares every block of `parent` in every group; its hash chain starts as a copy."""

@@ -185,13 +185,13 @@ class GroupManager:
             i -= 1
         self._replace_with_null(table, range(i, min(n, len(table))))
 
-    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> list[int]:
         """KV eviction: keep only the full blocks at `keep` (ascending) plus the tail; the table closes up.
 
         Only this request's references go: a block another table shares (prefix hit, fork) stays as it
         is, and a cached block keeps its hash, hittable until the pool reuses it. Cache coordinates then
         shift down by the evicted tokens (the request's `num_evicted_tokens`, which the caller advances);
-        no null block is left, so attention needs no mask. Returns how many blocks were evicted.
+        no null block is left, so attention needs no mask. Returns the evicted blocks' ids, in table order.
         """
         table = self.tables.get(req.request_id, [])
         num_full = cached_tokens(req) // self.block_size
@@ -201,7 +201,7 @@ class GroupManager:
         if evicted:
             self.tables[req.request_id] = [b for i, b in enumerate(table) if i >= num_full or i in kept]
             self.pool.free_blocks(reversed(self.live(evicted)))  # a chain's tail first, as `free` does
-        return len(evicted)
+        return [b.block_id for b in evicted]
 
     def _replace_with_null(self, table: list[KVBlock], indices: Iterable[int]) -> int:
         dead = []

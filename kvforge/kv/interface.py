@@ -46,12 +46,15 @@ class KVRequest(Protocol):
 
     `block_hashes` belongs to the request: the coordinator appends a block's hash
     once it fills and never recomputes it (a preempted request keeps its chain);
-    every group reads the same list. `cached_tokens_by_tier` is the one field the
-    coordinator sets: at first admission, the prompt tokens each level (device,
-    host, disk) served, which the request's output reports.
+    every group reads the same list. `cached_tokens_by_tier` and
+    `admitted_tokens_by_tier` are the fields the coordinator sets: the tokens each
+    level (device, host, disk) served at first admission, which the request's
+    output reports, and at the latest admission, a re-admission after preemption
+    included, which the KV map's `admit` event shows.
     """
 
     cached_tokens_by_tier: dict[str, int]
+    admitted_tokens_by_tier: dict[str, int]
 
     @property
     def request_id(self) -> str: ...
@@ -192,8 +195,9 @@ class KVCacheCoordinatorProtocol(Protocol):
         ...
 
     def swap_out(self, req: KVRequest) -> None: ...
-    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> int:
-        """KV eviction: keep only the full blocks at `keep`, the table closing up (one-group models)."""
+    def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> list[list[int]]:
+        """KV eviction: keep only the full blocks at `keep`, the table closing up (one-group models);
+        returns the evicted block ids per group."""
         ...
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None: ...

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any
 
@@ -48,15 +48,20 @@ def page_html(initial: dict[str, Any] | None = None) -> str:
 
 
 class KVMapHub:
-    """One snapshot per engine step, shared by every viewer, paced by `max_rate` and `max_duty`."""
+    """One snapshot per engine step, shared by every viewer, paced by `max_rate` and `max_duty`.
+
+    `clock` and `sleep` are the hub's time (`time.monotonic`, `asyncio.sleep`); a test passes a fake
+    pair to check the pace without waiting on the wall clock."""
 
     def __init__(self, engine: AsyncEngine, max_rate: float = DEFAULT_MAX_RATE,
-                 max_duty: float = DEFAULT_MAX_DUTY) -> None:
+                 max_duty: float = DEFAULT_MAX_DUTY, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         if max_rate <= 0 or not 0 < max_duty <= 1:
             raise ValueError("max_rate must be > 0 and max_duty in (0, 1]")
         self.engine = engine
         self.min_interval = 1.0 / max_rate
         self.max_duty = max_duty
+        self.clock, self.sleep = clock, sleep
         self.build_seconds = 0.0  # the last snapshot's cost on the engine thread
         self._cached: tuple[tuple[int, int], bytes] | None = None
         self._lock = asyncio.Lock()
@@ -74,9 +79,9 @@ class KVMapHub:
     async def snapshot(self, since: int | None = None) -> dict[str, Any]:
         """A fresh snapshot (the `/kv/state` route), with the events from sequence `since` on."""
         def build(e: Any) -> tuple[dict[str, Any], float]:
-            t0 = time.perf_counter()
+            t0 = self.clock()
             snap = e.kv_map.snapshot(e, since)
-            return snap, time.perf_counter() - t0
+            return snap, self.clock() - t0
 
         snap, seconds = await self.engine.call(build)
         self.build_seconds = seconds
@@ -97,18 +102,18 @@ class KVMapHub:
     async def stream(self, interval: float | None = None) -> AsyncIterator[bytes]:
         """Server-sent events: `snapshot` whenever the engine moved, a comment line to keep the link alive."""
         sent: tuple[int, int] | None = None
-        last_send = time.monotonic()
+        last_send = self.clock()
         while True:
             version = self._version()
             if version != sent:
                 data = await self.encoded()
                 sent = version
-                last_send = time.monotonic()
+                last_send = self.clock()
                 yield b"event: snapshot\ndata: " + data + b"\n\n"
-            elif time.monotonic() - last_send > KEEPALIVE_S:
-                last_send = time.monotonic()
+            elif self.clock() - last_send > KEEPALIVE_S:
+                last_send = self.clock()
                 yield b": keep-alive\n\n"
-            await asyncio.sleep(max(self.interval, interval or 0.0))
+            await self.sleep(max(self.interval, interval or 0.0))
 
 
 def add_kv_map_routes(app: FastAPI, engine: AsyncEngine, api_key: str | tuple[str, ...] | None,

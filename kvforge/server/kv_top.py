@@ -31,13 +31,17 @@ def _pct(x: float | None) -> str:
 def _event_text(e: dict[str, Any]) -> str:
     kind = e["kind"]
     if kind == "admit":
-        if e["cached_tokens"]:
-            return f"{e['request']}: prefix hit {e['cached_tokens']} of {e['prompt_tokens']} tokens"
-        return f"{e['request']}: admitted, no hit ({e['prompt_tokens']} tokens)" + (" (recompute)" if e["recompute"] else "")
+        tokens = e.get("tokens", e["prompt_tokens"])  # a re-admission: prompt + generated so far
+        text = (f"{e['request']}: prefix hit {e['cached_tokens']} of {tokens} tokens" if e["cached_tokens"]
+                else f"{e['request']}: admitted, no hit ({tokens} tokens)")
+        return text + (" (recompute)" if e["recompute"] else "")
     if kind == "preempt":
         return f"{e['request']}: preempted by {e['mode']}"
     if kind == "evict":
-        return f"{e['request']}: {e['policy']} dropped {e['blocks']} blocks"
+        groups = e.get("block_ids", [])
+        listed = "; ".join(", ".join(map(str, ids)) + (f", +{e['blocks'] - len(ids)} more" if e["blocks"] > len(ids) else "")
+                           for ids in groups if ids)
+        return f"{e['request']}: {e['policy']} dropped {e['blocks']} blocks" + (f" ({listed})" if listed else "")
     if kind == "tier_load":
         return f"loaded {len(e['blocks'])} blocks from a tier"
     if kind == "tier_store":
