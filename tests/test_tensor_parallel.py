@@ -121,3 +121,27 @@ def test_heads_that_cannot_be_split_are_rejected_before_spawning(tmp_path):
     build_tiny_model(str(tmp_path / "b"), "llama_gqa", hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide num_key_value_heads=3"):
         LLM(str(tmp_path / "b"), tensor_parallel_size=2)
+
+
+def test_constraints_hold_under_tp2(tmp_path_factory):
+    """Structured outputs with two ranks: the driver masks the logits the ranks computed, so every kind holds
+    at temperature 1 (20 samples each, n = 2, mixed with unconstrained requests), and greedy constrained
+    decoding gives TP=1's tokens. A tiny random model (byte-level tokenizer): the default model's 9 heads and
+    3 KV heads cannot be split in two."""
+    from test_structured_outputs import _assert_held, _constrained_batch
+
+    path = str(tmp_path_factory.mktemp("tp-structured"))
+    build_tiny_model(path, "llama_gqa")
+    kw = dict(num_kv_blocks=256, max_model_len=256, max_num_batched_tokens=64, attention_backend="torch")
+    single, tp = LLM(path, **kw), LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        prompts, params, kinds = _constrained_batch(0, max_tokens=120)
+        _assert_held(tp.generate(prompts, params), kinds)
+        assert tp.engine.structured.num_masked_rows > 0
+        greedy = [SamplingParams(temperature=0, max_tokens=120, structured_outputs=p.structured_outputs)
+                  for p in params]
+        a, b = single.generate(prompts, greedy), tp.generate(prompts, greedy)
+        assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
+        _assert_held(b, kinds, n=1)
+    finally:
+        tp.engine.shutdown()

@@ -15,6 +15,9 @@ from kvforge.server.protocol import APIError, parse_chat_request
 from kvforge.server.serving import OpenAIServing
 
 
+_CHAT_RENDER_FIELDS = ("chat_template_kwargs", "tools", "tool_choice")  # vLLM's TokenizeChatRequest has them too
+
+
 def _flag(body: dict, name: str, default: bool) -> bool:
     v = body.get(name, default)
     if not isinstance(v, bool):
@@ -26,8 +29,10 @@ def tokenize(serving: OpenAIServing, body: Any) -> dict:
     """{"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens", "token_strs"}."""
     tok = _checked(serving, body, "prompt")
     if "messages" in body:
+        # what changes the rendered prompt is passed on (and checked) as the chat route does: same text, same count
         chat = parse_chat_request({"messages": body["messages"],
-                                   "add_generation_prompt": _flag(body, "add_generation_prompt", True)})
+                                   "add_generation_prompt": _flag(body, "add_generation_prompt", True),
+                                   **{k: body[k] for k in _CHAT_RENDER_FIELDS if k in body}})
         _, ids = serving._tokenize(chat)[0]
         if _flag(body, "add_special_tokens", False) and tok.bos_token_id is not None and ids[:1] != [tok.bos_token_id]:
             ids = [tok.bos_token_id] + ids
