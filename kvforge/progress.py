@@ -64,8 +64,25 @@ class StageProgress:
         self.times.append(now - self._last)
         self._last = now
         self._bar.update(1)
+        self._describe_next()
+
+    def _describe_next(self) -> None:
         if len(self.times) < len(self.stages):
             self._bar.set_description_str(f"{self.title}: {self.stages[len(self.times)]}")
+        else:  # done: no bar left on screen under what the caller prints next (the start-up ledger)
+            self._bar.close()
+
+    def split(self, seconds: list[float]) -> None:
+        """End the next `len(seconds)` stages at once: stages that ran interleaved (reading and converting
+        weights block by block), each given its own measured seconds; what they leave of the time since
+        the last stage ended goes to the first of them."""
+        now = time.perf_counter()
+        rest = max(0.0, now - self._last - sum(seconds))
+        self._last = now
+        for i, t in enumerate(seconds):
+            self.times.append(t + (rest if i == 0 else 0.0))
+            self._bar.update(1)
+        self._describe_next()
 
     def __enter__(self) -> "StageProgress":
         return self

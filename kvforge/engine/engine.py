@@ -42,7 +42,7 @@ from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
-from kvforge.models.weight_quant import quantize_model
+from kvforge.models.weight_stream import load_into, parameters_on_meta
 from kvforge.progress import StageProgress
 
 
@@ -63,9 +63,12 @@ class LLMEngine:
 
         self.config = config
         opts = config.model_options
-        stages = ["reading weights", "building model", "packing linear layers"]
+        # the weights stream in block by block (models/weight_stream.py): reading, converting and quantizing
+        # interleave, and each stage's line counts its own seconds
+        stages = ["reading headers", "building model", "reading weights", "converting weights",
+                  "packing linear layers", "allocating the KV pool"]
         if opts.quantization:
-            stages.insert(2, "attaching the GGUF file's codes" if opts.quantization == "gguf"
+            stages.insert(4, "attaching the GGUF file's codes" if opts.quantization == "gguf"
                           else f"quantizing linear layers to {opts.quantization}")
         with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
             checkpoint = load_checkpoint(opts.model)
@@ -87,26 +90,25 @@ class LLMEngine:
                 self.model = None
                 self.model_fingerprint = None  # KV tiers are refused with tensor parallelism (EngineConfig)
                 self.executor = TensorParallelExecutor(config, self.model_config)  # ranks build, shard and pack
-                for _ in stages[1:]:
+                for _ in stages[1:-1]:
                     p.next()
             else:
-                model = build_model(self.model_config)
-                model.load_weights(checkpoint.weights)
-                path = checkpoint.path
-                del checkpoint
-                self.model = model.to(dtype=torch_dtype(opts.dtype), device=self.device).eval()
+                with parameters_on_meta():  # no bytes yet: each parameter gets its own as it is read
+                    model = build_model(self.model_config).to(dtype=torch_dtype(opts.dtype))
                 p.next()
-                if opts.quantization:  # int8 / int4 codes replace the linear weights (models/weight_quant.py)
-                    quantize_model(self.model, opts.quantization, opts.quantization_group_size, self.device, path)
-                    p.next()
+                times = load_into(model, checkpoint.source, torch_dtype(opts.dtype), opts.quantization,
+                                  opts.quantization_group_size, checkpoint.path, self.device)
+                del checkpoint
+                self.model = model.to(device=self.device).eval()
+                p.split([times.read, times.convert] + ([times.quantize] if opts.quantization else []))
                 from kvforge.kv.tiers.setup import model_fingerprint
 
                 self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
                 pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
                 p.next()
-        self._init_cache_and_scheduler()
+            self._init_cache_and_scheduler(p)
 
-    def _init_cache_and_scheduler(self) -> None:
+    def _init_cache_and_scheduler(self, progress: StageProgress | None = None) -> None:
         config, cfg = self.config, self.model_config
         opts, cache_cfg, sched = config.model_options, config.cache_config, config.scheduler_config
         self.cache_format = cache_cfg.cache_format(opts.dtype)
@@ -149,11 +151,15 @@ class LLMEngine:
             self.runner, self.report = init_tensor_parallel_caches(
                 self.executor, config, cfg, self.cache_format, groups, layer_groups,
                 [self.kv.pools[g].num_physical_blocks for g in layer_groups], max_model_len)
+            if progress is not None:
+                progress.next()
         else:
             caches = make_layer_caches(
                 cfg, self.cache_format, [self.kv.pools[g].num_physical_blocks for g in layer_groups],
                 cache_cfg.block_size, self.device, torch_dtype(opts.dtype),
             )
+            if progress is not None:
+                progress.next()
             self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
                                       opts.attention_backend)
             self.runner.decode_graphs = decode_graphs_for(self.model, caches, self.device, opts.enforce_eager,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from kvforge.gguf_tokenizer import field
+from kvforge.models.weight_stream import Block, WeightSource, drop_pages, rows_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -310,21 +312,11 @@ def join_kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
     return kv.reshape(-1, kv.shape[-1])
 
 
-def _join_split_kv_b(raw: dict[str, torch.Tensor]) -> None:
-    """Replace each layer's attn_k_b/attn_v_b pair by attn_kv_b (kept as is when the file has both)."""
-    for k_name in [n for n in raw if n.endswith(".attn_k_b.weight")]:
-        prefix = k_name[: -len("attn_k_b.weight")]
-        v_name = prefix + "attn_v_b.weight"
-        if v_name not in raw:
-            raise ValueError(f"GGUF has {k_name!r} but no {v_name!r}")
-        k_b, v_b = raw.pop(k_name), raw.pop(v_name)
-        raw.setdefault(prefix + "attn_kv_b.weight", join_kv_b(k_b, v_b))
-
-
-def _dequantized(t: Any) -> torch.Tensor:
+def _dequantized(t: Any, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+    """Tensor `t` (or its rows [r0, r1)) as float32."""
     from gguf.quants import dequantize
 
-    arr = dequantize(t.data, t.tensor_type)
+    arr = dequantize(t.data if r0 == 0 and r1 is None else t.data[r0:r1], t.tensor_type)
     if arr.dtype != np.float32 or not arr.flags.writeable:  # F32 tensors come back as file views
         arr = np.array(arr, dtype=np.float32)
     return torch.from_numpy(arr)
@@ -351,12 +343,82 @@ def _hf_tensors(name: str, w: torch.Tensor, arch: str, cfg: dict) -> Iterator[tu
     yield hf, w.contiguous()
 
 
-def gguf_weights(reader: Any, cfg: dict) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32 under its HF name(s), each llama.cpp rewrite undone."""
-    arch, _ = _arch(reader)
-    raw = {t.name: _dequantized(t) for t in reader.tensors if t.name not in _IGNORED}
-    _join_split_kv_b(raw)
-    out: dict[str, torch.Tensor] = {}
-    for name, w in raw.items():
-        out.update(_hf_tensors(name, w, arch, cfg))
-    return out
+class GGUFSource(WeightSource):
+    """A GGUF file's tensors under their HF names, dequantized to float32 one tensor at a time (2-D tensors
+    that need no rewrite, such as the embedding, a block of rows at a time), each one's mapped pages
+    dropped once it is used."""
+
+    def __init__(self, reader: Any, cfg: dict) -> None:
+        self.reader, self.cfg = reader, cfg
+        self.arch, self.spec = _arch(reader)
+        by_name = {t.name: t for t in reader.tensors}
+        self.shapes = {}
+        for t in reader.tensors:
+            shape = tuple(reversed([int(d) for d in t.shape]))  # GGUF lists the fastest dimension first
+            if t.name in _IGNORED or (t.name.endswith((".attn_k_b.weight", ".attn_v_b.weight"))
+                                      and t.name.replace(".attn_k_b.", ".attn_kv_b.").replace(".attn_v_b.", ".attn_kv_b.") in by_name):
+                continue
+            if t.name.endswith(".attn_v_b.weight"):
+                continue  # joined with attn_k_b
+            if t.name.endswith(".attn_k_b.weight"):
+                v = by_name.get(t.name.replace(".attn_k_b.", ".attn_v_b."))
+                if v is None:
+                    raise ValueError(f"GGUF has {t.name!r} but no {t.name.replace('.attn_k_b.', '.attn_v_b.')!r}")
+                vs = tuple(reversed([int(d) for d in v.shape]))
+                hf = hf_tensor_name(t.name.replace(".attn_k_b.", ".attn_kv_b."), self.arch)
+                self.shapes[str(hf)] = (shape[0] * (shape[2] + vs[1]), shape[1])
+                continue
+            m = _BLOCK.match(t.name)
+            if m and m.group(2) in _EXPERT_PROJS:
+                layer, part, kind = m.groups()
+                for e in range(shape[0]):
+                    self.shapes[f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_PROJS[part]}.{kind}"] = shape[1:]
+                continue
+            hf = hf_tensor_name(t.name, self.arch)
+            if hf is not None:
+                self.shapes[hf] = shape
+        self._by_name = by_name
+
+    def _whole(self, t: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        if t.name.endswith(".attn_k_b.weight"):
+            v = self._by_name[t.name.replace(".attn_k_b.", ".attn_v_b.")]
+            joined = join_kv_b(_dequantized(t), _dequantized(v))
+            yield from _hf_tensors(t.name.replace(".attn_k_b.", ".attn_kv_b."), joined, self.arch, self.cfg)
+            self._drop(v)
+        else:
+            yield from _hf_tensors(t.name, _dequantized(t), self.arch, self.cfg)
+
+    def _drop(self, t: Any, r0: int = 0, r1: int | None = None) -> None:
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None:
+            row = t.n_bytes // max(1, len(t.data)) if t.data.ndim else t.n_bytes
+            drop_pages(mm, t.data_offset + r0 * row, t.data_offset + (len(t.data) if r1 is None else r1) * row)
+
+    def blocks(self, wanted: set[str] | None = None) -> Iterator[Block]:
+        for t in self.reader.tensors:
+            hf = hf_tensor_name(t.name, self.arch) if len(t.shape) == 2 and t.name not in _IGNORED else None
+            simple = hf is not None and not (self.spec.permute_qk and hf.split(".")[-2] in ("q_proj", "k_proj"))
+            if simple:
+                if wanted is not None and hf not in wanted:
+                    continue
+                shape = self.shapes[hf]
+                step = rows_per_block(shape)
+                for r0 in range(0, shape[0], step):
+                    t0 = time.perf_counter()
+                    rows = _dequantized(t, r0, r0 + step)
+                    self.read_seconds += time.perf_counter() - t0
+                    yield Block(hf, r0, rows, shape)
+                    self._drop(t, r0, r0 + len(rows))
+                continue
+            if t.name in _IGNORED or t.name.endswith(".attn_v_b.weight"):
+                continue
+            if t.name.endswith(".attn_k_b.weight") and t.name.replace(".attn_k_b.", ".attn_kv_b.") in self._by_name:
+                continue
+            t0 = time.perf_counter()
+            out = [(n, w) for n, w in self._whole(t) if wanted is None or n in wanted]
+            self.read_seconds += time.perf_counter() - t0
+            for n, w in out:
+                yield Block(n, 0, w, tuple(w.shape))
+            del out
+            self._drop(t)
+

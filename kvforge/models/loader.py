@@ -1,8 +1,12 @@
 """Find and load a model checkpoint: an HF folder (safetensors) or a llama.cpp GGUF file.
 
 Everything downstream (model construction, the KV ledger, the engine) works
-from the `Checkpoint` this returns: an HF-style config dict, HF-named float32
-weights and a `Tokenizer`. `transformers` is never imported here.
+from the `Checkpoint` this returns: an HF-style config dict, HF-named weights
+and a `Tokenizer`. Only headers are read here: the weights are a
+`weight_stream.WeightSource` the engine reads tensor by tensor into the model
+(`weight_stream.fill_model`), and `Checkpoint.weights`, the HF name -> float32
+mapping other callers use, reads each tensor when it is asked for.
+`transformers` is never imported here.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvforge.models.validate import ModelFileError, check_weight_shapes, safetensors_shapes, validate_hf_config
@@ -17,6 +22,7 @@ from kvforge.models.validate import ModelFileError, check_weight_shapes, safeten
 if TYPE_CHECKING:
     import torch
 
+    from kvforge.models.weight_stream import WeightSource
     from kvforge.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -30,8 +36,15 @@ class Checkpoint:
 
     path: str
     hf_config: dict
-    weights: dict[str, "torch.Tensor"] = field(repr=False)
+    source: "WeightSource" = field(repr=False)
     tokenizer: "Tokenizer" = field(repr=False)
+
+    @property
+    def weights(self) -> Mapping[str, "torch.Tensor"]:
+        """HF name -> float32 tensor (ints as stored), each read from the file when asked for."""
+        from kvforge.models.weight_stream import LazyWeights
+
+        return LazyWeights(self.source)
 
 
 def default_model_path() -> str:
@@ -70,7 +83,7 @@ def load_checkpoint(model: str | None = None) -> Checkpoint:
 def _load_gguf(path: str) -> Checkpoint:
     from gguf import GGUFReader
 
-    from kvforge.models.gguf_loader import gguf_hf_config, gguf_weights
+    from kvforge.models.gguf_loader import GGUFSource, gguf_hf_config
     from kvforge.tokenizer import Tokenizer
 
     try:
@@ -79,7 +92,7 @@ def _load_gguf(path: str) -> Checkpoint:
         raise ValueError(f"model {path!r} is not a readable GGUF file: {e}") from e
     cfg = gguf_hf_config(reader)
     validate_hf_config(cfg, path)
-    return Checkpoint(path=path, hf_config=cfg, weights=gguf_weights(reader, cfg),
+    return Checkpoint(path=path, hf_config=cfg, source=GGUFSource(reader, cfg),
                       tokenizer=Tokenizer.from_gguf(reader))
 
 
@@ -94,19 +107,18 @@ def _load_hf_dir(path: str) -> Checkpoint:
             cfg = json.load(f)
     except (ValueError, RecursionError) as exc:
         raise ModelFileError(f"{cfg_file}: not valid JSON ({str(exc).splitlines()[0][:120]})") from None
-    weights = _load_safetensors(path, cfg)
-    if cfg.get("tie_word_embeddings", False):
-        weights.pop("lm_head.weight", None)  # tied: the engine reuses embed_tokens
-    elif "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+    source = _safetensors_source(path, cfg)
+    if "lm_head.weight" not in source.shapes and "model.embed_tokens.weight" in source.shapes and not cfg.get(
+            "tie_word_embeddings", False):
         raise ValueError(f"model folder {path!r}: lm_head.weight missing and tie_word_embeddings is false")
-    return Checkpoint(path=path, hf_config=cfg, weights=weights, tokenizer=Tokenizer.from_dir(path))
+    return Checkpoint(path=path, hf_config=cfg, source=source, tokenizer=Tokenizer.from_dir(path))
 
 
-def _load_safetensors(path: str, cfg: dict) -> dict[str, "torch.Tensor"]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, as float32 (ints stay as they are).
-
-    Every header is checked, and every shape against the config, before any tensor is read."""
-    from safetensors.torch import load_file
+def _safetensors_source(path: str, cfg: dict) -> "WeightSource":
+    """The tensors of a (possibly sharded) safetensors checkpoint, read later through mmap (a tied lm_head
+    left out: the engine reuses embed_tokens). Every header is checked, and every shape against the
+    config, here."""
+    from kvforge.models.weight_stream import SafetensorsSource
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -124,8 +136,5 @@ def _load_safetensors(path: str, cfg: dict) -> dict[str, "torch.Tensor"]:
             raise FileNotFoundError(f"model folder {path!r}: {name} (named in the index) is missing")
         shapes.update(safetensors_shapes(file))
     check_weight_shapes(cfg, shapes, os.path.join(path, "config.json"))
-    weights: dict = {}
-    for name in files:
-        for key, t in load_file(os.path.join(path, name)).items():
-            weights[key] = t.float() if t.is_floating_point() else t
-    return weights
+    skip = {"lm_head.weight"} if cfg.get("tie_word_embeddings", False) else set()
+    return SafetensorsSource([os.path.join(path, n) for n in files], skip)

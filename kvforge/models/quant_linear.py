@@ -120,7 +120,17 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
 
 
 def quantize(weight: torch.Tensor, method: str, group: int | None = None) -> QuantWeight:
-    """Quantize a dense float [N, K] weight: "int8" symmetric per output channel (scale = max|w| / 127), or
+    """`quantize_rows`' codes laid out in panels."""
+    return pack_codes(*quantize_rows(weight, method, group))
+
+
+def quantize_rows(weight: torch.Tensor, method: str, group: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
+    """(codes [N, K], scales, offsets or None, bits, group), as `pack_codes` takes them. Each output row is
+    quantized on its own, so a weight quantized a few rows at a time (the streaming loader,
+    `models/weight_stream.py`) gets the same codes as the whole.
+
+    Quantize a dense float [N, K] weight: "int8" symmetric per output channel (scale = max|w| / 127), or
     "int4" in groups of `group` k with a zero point: each group's [min, max] split into 15 steps
     (w = code x (max - min) / 15 + min). With the int8 lm_head of `weight_quant.quantize_model`, this
     took int4's perplexity change on the default model (bf16, 1,024 tokens, `kvforge eval weights`) from
@@ -134,11 +144,11 @@ def quantize(weight: torch.Tensor, method: str, group: int | None = None) -> Qua
         codes = torch.empty(n, k, dtype=torch.int8)
         scales = torch.empty(n, 1, dtype=torch.float32)
         for r0 in range(0, n, _ROWS_PER_CHUNK):
-            w = weight[r0:r0 + _ROWS_PER_CHUNK].detach().float()
+            w = weight[r0:r0 + _ROWS_PER_CHUNK].detach().to(torch.float32, copy=True)  # ours: divided in place
             s = w.abs().amax(dim=1, keepdim=True) / 127.0
-            codes[r0:r0 + len(w)] = torch.round(w / torch.where(s > 0, s, 1.0)).clamp_(-127, 127).to(torch.int8)
+            codes[r0:r0 + len(w)] = w.div_(torch.where(s > 0, s, 1.0)).round_().clamp_(-127, 127).to(torch.int8)
             scales[r0:r0 + len(w)] = s
-        return pack_codes(codes, scales, None, 8, group)
+        return codes, scales, None, 8, group
     if method != "int4":
         raise ValueError(f"quantization must be one of {WEIGHT_QUANTIZATIONS}, got {method!r}")
     group = group or DEFAULT_INT4_GROUP
@@ -159,7 +169,7 @@ def quantize(weight: torch.Tensor, method: str, group: int | None = None) -> Qua
         u = torch.round((wg - lo) / torch.where(s > 0, s, 1.0)).clamp_(0, 15)
         codes[r0:r0 + rows] = torch.nan_to_num(u, nan=0.0).to(torch.uint8).view(rows, kpad)[:, :k]
         scales[r0:r0 + rows], offsets[r0:r0 + rows] = s.squeeze(2), lo.squeeze(2)
-    return pack_codes(codes, scales, offsets, 4, group)
+    return codes, scales, offsets, 4, group
 
 
 def _unpanel(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -68,6 +68,12 @@ def validate_hf_config(cfg: Any, source: str) -> None:
 
 def safetensors_shapes(file: str) -> dict[str, list[int]]:
     """Tensor name -> shape from a safetensors header, after checking it against the file's real size."""
+    return {key: shape for key, (_, shape, _) in safetensors_header(file)[0].items()}
+
+
+def safetensors_header(file: str) -> tuple[dict[str, tuple[str, list[int], tuple[int, int]]], int]:
+    """({name: (dtype, shape, (start, end) data offsets)}, where the data starts in the file), checked
+    against the file's real size."""
     name = os.path.basename(file)
     size = os.path.getsize(file)
     with open(file, "rb") as f:
@@ -86,7 +92,7 @@ def safetensors_shapes(file: str) -> dict[str, list[int]]:
     if not isinstance(header, dict):
         raise ModelFileError(f"{name}: header: must be a JSON object")
     data_bytes = size - 8 - n
-    shapes: dict[str, list[int]] = {}
+    entries: dict[str, tuple[str, list[int], tuple[int, int]]] = {}
     for key, info in header.items():
         if key == "__metadata__":
             continue
@@ -103,8 +109,8 @@ def safetensors_shapes(file: str) -> dict[str, list[int]]:
         if math.prod(shape) * DTYPE_BYTES[dtype] != offsets[1] - offsets[0]:
             raise ModelFileError(f"{name}: {key}.shape: {shape} x {dtype} does not match its "
                                  f"{offsets[1] - offsets[0]} data bytes")
-        shapes[key] = shape
-    return shapes
+        entries[key] = (dtype, shape, (offsets[0], offsets[1]))
+    return entries, 8 + n
 
 
 def check_weight_shapes(cfg: dict, shapes: dict[str, list[int]], source: str) -> None:

@@ -8,8 +8,10 @@ kernel, the embedding lookup (`QuantEmbedding`) by dequantizing the rows of
 the tokens it is asked for. So the dense table is released too and a tied
 model keeps no float copy of its largest matrix.
 
-Each layer is quantized and its dense weight released before the next one
-is touched, so the peak is the model's float weights plus one layer's codes.
+`quantize_model` quantizes a built model, layer by layer; the engine's loader
+(`weight_stream.fill_model`) never builds the dense weights at all: it quantizes
+each layer's rows as they are read and attaches the codes with
+`attach_with_embedding`.
 """
 from __future__ import annotations
 
@@ -58,44 +60,45 @@ def quantize_model(model: nn.Module, method: str, group: int | None = None,
             raise ValueError(f"quantization='gguf' keeps a .gguf file's codes; the model was loaded from {path!r}")
         return attach_gguf_codes(model, path)
     done = 0
-    for name, module, tied in _layers(model):
+    for name, module, tied in quantizable_layers(model):
         # int4 keeps the lm_head (and a tied embedding) in int8, as llama.cpp's Q4_K_M keeps its output
         # matrix at 6 bits (with zero-point groups: +28.6% -> -0.2% perplexity on the default model; the
         # two changes' separate shares were not measured)
         qw = quantize(module.weight.detach(), "int8" if method == "int4" and name.endswith("lm_head") else method,
                       group)
-        _attach_with_embedding(module, qw, tied)
+        attach_with_embedding(module, qw, tied)
         done += 1
     return done
 
 
-def _layers(model: nn.Module) -> list[tuple[str, Linear, tuple[nn.Module, str, nn.Embedding] | None]]:
-    """The CPU `Linear`s that may be quantized, each with the embedding that shares its weight (or None)."""
+def quantizable_layers(model: nn.Module) -> list[tuple[str, Linear, tuple[nn.Module, str, nn.Embedding] | None]]:
+    """The CPU `Linear`s that may be quantized (or meta ones, before `weight_stream.fill_model` gives them
+    bytes), each with the embedding that shares its weight (or None)."""
     embeddings = {id(m.weight): (parent, name, m) for parent in model.modules()
                   for name, m in parent.named_children() if isinstance(m, nn.Embedding)}
     return [(name, m, embeddings.get(id(m.weight))) for name, m in model.named_modules()
-            if isinstance(m, Linear) and not m.keep_dense and m.weight.device.type == "cpu"]
+            if isinstance(m, Linear) and not m.keep_dense and m.weight.device.type in ("cpu", "meta")]
 
 
-def _attach_with_embedding(layer: Linear, qw: QuantWeight, tied: tuple[nn.Module, str, nn.Embedding] | None) -> None:
+def attach_with_embedding(layer: Linear, qw: QuantWeight, tied: tuple[nn.Module, str, nn.Embedding] | None) -> None:
     attach(layer, qw)
     if tied is not None:  # the embedding table is this matrix: look rows up in the codes instead
         parent, child, emb = tied
         setattr(parent, child, QuantEmbedding(qw, emb.weight.dtype))
 
 
-def attach_gguf_codes(model: nn.Module, path: str) -> int:
+def attach_gguf_codes(model: nn.Module, path: str, taken: set[str] | None = None) -> int:
     """`quantization="gguf"`: every `Linear` whose GGUF tensors (all of a packed layer's parts) are of a kept
     block type, with one bit width and group size, runs on the file's own codes (`gguf_quant`); a tied
     embedding reads them too. Other layers (F16 / F32 or other block types, mixed parts) stay as loaded
-    (dequantized). Returns how many layers were attached."""
+    (dequantized). Returns how many layers were attached; `taken` gets the checkpoint names they cover."""
     from kvforge.models.gguf_quant import file_codes
     from kvforge.models.layers import PACKED_PARAMS
 
     cfg = model.config
     found = file_codes(path, cfg.num_heads, cfg.num_kv_heads)
     done = 0
-    for name, module, tied in _layers(model):
+    for name, module, tied in quantizable_layers(model):
         prefix, _, leaf = name.rpartition(".")
         parts = [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in PACKED_PARAMS.get(leaf, (leaf,))]
         if tied is not None and parts == ["lm_head.weight"] and "lm_head.weight" not in found:
@@ -110,7 +113,11 @@ def attach_gguf_codes(model: nn.Module, path: str) -> int:
             continue
         offsets = torch.cat([p[2] for p in pieces]) if pieces[0][2] is not None else None
         qw = pack_codes(codes, torch.cat([p[1] for p in pieces]), offsets, pieces[0][3], pieces[0][4])
-        _attach_with_embedding(module, qw, tied)
+        attach_with_embedding(module, qw, tied)
+        if taken is not None:
+            taken.update(parts)
+            if tied is not None:
+                taken.add("model.embed_tokens.weight")
         done += 1
     return done
 
