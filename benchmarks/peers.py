@@ -35,6 +35,7 @@ Prints one table, saves JSON and a plot under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -213,7 +214,10 @@ def child(args: argparse.Namespace) -> None:
         work = [(p, min(o, args.max_tokens)) for p, o in work]
     quant = args.quantization[0]
     if engine == "kvforge":
-        res = run_kvforge(dtype, kv, work, warm=True, model=args.model, quantization=quant, probe=args.probe)
+        from random_llama import low_memory_load
+
+        with low_memory_load() if args.low_memory_load else contextlib.nullcontext():
+            res = run_kvforge(dtype, kv, work, warm=True, model=args.model, quantization=quant, probe=args.probe)
     else:
         res = run_openvino(args.openvino_model, dtype, kv, work, warm=True)
         res["peak_rss_gb"] = peak_rss_gb()
@@ -261,6 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--probe", action="store_true",
                     help="peak RSS, weight bytes read per second and a bandwidth probe per kvforge run "
                          "(on with --model-size)")
+    ap.add_argument("--low-memory-load", action="store_true",
+                    help="read a bf16 safetensors model as bf16 into a model built in bf16 (random_llama.low_memory_load): "
+                         "the 1B preset's load peaks at ~5 GB instead of ~11.4 GB; the peak RSS column then says so")
     ap.add_argument("--vocab", type=int, default=VOCAB, help="prompt ids are drawn below this")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds over every configuration; each row is its median run (noisy machines)")
@@ -320,6 +327,8 @@ def main() -> None:
                 cmd += ["--model", args.model]
             if args.probe:
                 cmd += ["--probe"]
+            if args.low_memory_load:
+                cmd += ["--low-memory-load"]
             if engine == "openvino":
                 cmd += ["--openvino-model", args.openvino_model]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -345,7 +354,7 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.save) or ".", exist_ok=True)
         with open(args.save, "w") as f:
             json.dump({"scale": args.scale, "seed": args.seed, "repeats": args.repeats, "model_size": args.model_size,
-                       "max_tokens": args.max_tokens, "rows": rows}, f, indent=2)
+                       "max_tokens": args.max_tokens, "low_memory_load": args.low_memory_load, "rows": rows}, f, indent=2)
         plot(rows, args.save.rsplit(".", 1)[0] + ".png")
 
 

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import contextmanager
 
 VOCAB = 49152  # SmolLM2's vocabulary (the default model's tokenizer)
 
@@ -129,6 +130,40 @@ def ensure_model(size: str, cache_dir: str | None = None, log=print) -> str:
         json.dump(cfg, f, indent=1)
     log(f"built in {time.perf_counter() - t0:.1f} s")
     return folder
+
+
+@contextmanager
+def low_memory_load():  # type: ignore[no-untyped-def]
+    """While engines are built inside it: a single-file bf16 safetensors folder is read as bf16 (kvforge's loader
+    widens every tensor to fp32) and the model is built in bf16, so loading the 1B preset peaks near two bf16
+    copies (~5 GB) instead of ~11.4 GB. Why: a machine shared with other jobs may not have that free.
+    The engine, its kernels and what it holds once loaded are unchanged; only the load-time peak differs (what
+    RSS figures measured under it say). Issue 41's tensor-by-tensor loader will make this unnecessary."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kvforge.engine import engine
+    from kvforge.models import loader
+
+    read, build = loader._load_safetensors, engine.build_model
+
+    def read_as_stored(path: str, cfg: dict) -> dict:
+        file = os.path.join(path, "model.safetensors")
+        return load_file(file) if os.path.isfile(file) else read(path, cfg)
+
+    def build_bf16(cfg):  # type: ignore[no-untyped-def]
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return build(cfg)
+        finally:
+            torch.set_default_dtype(saved)
+
+    loader._load_safetensors, engine.build_model = read_as_stored, build_bf16
+    try:
+        yield
+    finally:
+        loader._load_safetensors, engine.build_model = read, build
 
 
 def main() -> None:

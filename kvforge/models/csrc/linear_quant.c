@@ -377,3 +377,18 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     free(xpad);
     return failed ? -1 : 0;
 }
+
+/* One quantized weight as the fused decode layers (decode_layers.c) hold it: everything `kvf_qlinear` takes
+ * about W, so the loop can call it through one pointer per matmul. */
+typedef struct {
+    const uint8_t *codes;
+    const float *scales, *offsets;
+    int64_t group;
+    int64_t bits;
+} kvf_qdesc;
+
+int kvf_qlinear_desc(const void *x, int x_bf16, int64_t M, int64_t K, const void *desc, int64_t N, void *y,
+                     int nthreads) {
+    const kvf_qdesc *d = (const kvf_qdesc *)desc;
+    return kvf_qlinear(x, x_bf16, M, K, d->codes, (int)d->bits, d->scales, d->offsets, d->group, N, NULL, y, nthreads);
+}
