@@ -154,8 +154,10 @@ def weight_reads(model, decode_steps_s: float) -> dict:  # type: ignore[no-untyp
     from decode_profile import bytes_read_per_token, read_bandwidth_gbs
 
     peak = peak_rss_gb()
+    with open("/proc/self/statm") as f:  # RSS now, after the run: what the engine holds (the peak is the load's)
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
     step_bytes = bytes_read_per_token(model)
-    return {"peak_rss_gb": peak, "weight_gb_per_step": step_bytes / 1e9,
+    return {"peak_rss_gb": peak, "rss_gb": rss, "weight_gb_per_step": step_bytes / 1e9,
             "weight_read_gbs": step_bytes * decode_steps_s / 1e9, "probe_gbs": read_bandwidth_gbs(1024)}
 
 
@@ -384,12 +386,13 @@ def print_row(r: dict, header: bool) -> None:
     if header:
         print(f"{'workload':<8} {'dtype':<9} {'kv':<6} {'weights':<7} {'engine':<9} {'wall s':>8} {'out tok/s':>10} "
               f"{'TTFT ms':>9} {'mean TTFT':>10} {'decode tok/s':>13}"
-              + (f" {'peak RSS GB':>11} {'GB/step':>8} {'read GB/s':>9} {'probe GB/s':>10}" if probe else "")
+              + (f" {'peak RSS GB':>11} {'RSS GB':>6} {'GB/step':>8} {'read GB/s':>9} {'probe GB/s':>10}" if probe else "")
               + (f" {'runs (out tok/s)':>18}" if len(spread) > 1 else ""))
     print(f"{r['workload']:<8} {r['dtype']:<9} {r['kv']:<6} {r.get('weights', 'none'):<7} {r['engine']:<9} "
           f"{r['wall_s']:>8.2f} {r['out_tok_s']:>10.1f} {r['ttft_ms']:>9.1f} {r.get('mean_ttft_ms', float('nan')):>10.1f} "
           f"{r['decode_tok_s']:>13.1f}"
-          + (f" {r['peak_rss_gb']:>11.2f} {r['weight_gb_per_step']:>8.3f} {r['weight_read_gbs']:>9.1f} "
+          + (f" {r['peak_rss_gb']:>11.2f} {r.get('rss_gb', float('nan')):>6.2f} {r['weight_gb_per_step']:>8.3f} "
+             f"{r['weight_read_gbs']:>9.1f} "
              f"{r['probe_gbs']:>10.1f}" if probe else "")
           + (f" {min(spread):>8.1f}-{max(spread):<9.1f}" if len(spread) > 1 else ""), flush=True)
 
