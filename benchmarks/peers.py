@@ -16,6 +16,14 @@ OpenVINO runs under another interpreter (it needs its own venv; see the recipe i
     python benchmarks/peers.py --openvino-python /path/ovenv/bin/python --openvino-model /path/ov_fp32
     python benchmarks/peers.py --engines kvforge --workloads long batch --dtype bfloat16   # kvforge only
 
+Real model sizes (issue 41): `--model-size 1b` (or `3b`) builds a random-weight Llama of that size with the
+default model's vocabulary and tokenizer once (`random_llama.py`, cached under `--model-cache`) and runs kvforge
+on it in bf16 at each weight format of `--quantization` (default there: none int8 int4). Each kvforge row then
+also has its peak RSS, the weight bytes one decode step reads, the achieved weight-read rate of the decode phase
+(bytes per step x steps per second) and a read-bandwidth probe run in the same process after the workload:
+
+    python benchmarks/peers.py --model-size 1b --workloads single batch --engines kvforge
+
 Without `--openvino-model` (or when that interpreter cannot import openvino_genai) OpenVINO is skipped
 with a message. `--repeats N` runs the whole list N times round-robin (every configuration once per round,
 so a slow spell of a shared machine lands on all of them) and reports each configuration's median run by
@@ -72,6 +80,7 @@ class Meter:
         self.tokens = 0
         self.decode_start: float | None = None
         self.decode_tokens = 0
+        self.decode_steps = 0
         self.n = num_requests
 
     def emitted(self, rid: int, count: int) -> None:
@@ -84,22 +93,28 @@ class Meter:
             self.decode_tokens += count
 
     def end_step(self) -> None:
-        if self.decode_start is None and len(self.first) == self.n:
+        if self.decode_start is not None:
+            self.decode_steps += 1
+        elif len(self.first) == self.n:
             self.decode_start = time.perf_counter()
 
     def result(self) -> dict:
         end = time.perf_counter()
         wall = end - self.t0
         ttft = min(self.first.values()) - self.t0 if self.first else float("nan")
-        dec = self.decode_tokens / (end - self.decode_start) if self.decode_start and end > self.decode_start else 0.0
-        return {"wall_s": wall, "out_tok_s": self.tokens / wall, "ttft_ms": ttft * 1e3, "decode_tok_s": dec}
+        span = end - self.decode_start if self.decode_start and end > self.decode_start else 0.0
+        mean_ttft = sum(self.first.values()) / len(self.first) - self.t0 if self.first else float("nan")
+        return {"wall_s": wall, "out_tok_s": self.tokens / wall, "ttft_ms": ttft * 1e3, "mean_ttft_ms": mean_ttft * 1e3,
+                "decode_tok_s": self.decode_tokens / span if span else 0.0,
+                "decode_steps_s": self.decode_steps / span if span else 0.0}
 
 
-def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool, model: str | None = None) -> dict:
+def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool, model: str | None = None,
+                quantization: str = "none", probe: bool = False) -> dict:
     from kvforge import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, kv_cache_dtype=KVFORGE_KV[kv],
-              kv_cache_memory=f"{KV_MEMORY_GIB}GiB", max_model_len=4096, log_ledger=False, **BUDGET)
+    llm = LLM(model=model, dtype=dtype, kv_cache_dtype=KVFORGE_KV[kv], quantization=None if quantization == "none"
+              else quantization, kv_cache_memory=f"{KV_MEMORY_GIB}GiB", max_model_len=4096, log_ledger=False, **BUDGET)
     engine = llm.engine
     if warm:
         llm.generate(prompt_token_ids=[[work[0][0][0]] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
@@ -120,7 +135,29 @@ def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bo
             seen[i] = n
         meter.end_step()
     assert seen == [o for _, o in work], "kvforge produced a different number of tokens than asked"
-    return meter.result()
+    res = meter.result()
+    if probe:  # after the run: the probe's 1 GiB buffer stays out of the peak RSS
+        res.update(weight_reads(engine.runner.model, res["decode_steps_s"]))
+    return res
+
+
+def peak_rss_gb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
+
+
+def weight_reads(model, decode_steps_s: float) -> dict:  # type: ignore[no-untyped-def]
+    """Peak RSS so far, the weight bytes one decode step reads, what the decode phase read per second, and the
+    machine's read bandwidth measured now, in this process (a shared machine's bandwidth moves run to run)."""
+    from decode_profile import bytes_read_per_token, read_bandwidth_gbs
+
+    peak = peak_rss_gb()
+    with open("/proc/self/statm") as f:  # RSS now, after the run: what the engine holds (the peak is the load's)
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    step_bytes = bytes_read_per_token(model)
+    return {"peak_rss_gb": peak, "rss_gb": rss, "weight_gb_per_step": step_bytes / 1e9,
+            "weight_read_gbs": step_bytes * decode_steps_s / 1e9, "probe_gbs": read_bandwidth_gbs(1024)}
 
 
 def run_openvino(model_dir: str, dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool) -> dict:
@@ -174,11 +211,15 @@ def run_openvino(model_dir: str, dtype: str, kv: str, work: list[tuple[list[int]
 def child(args: argparse.Namespace) -> None:
     engine, dtype, kv, workload = args.one
     work = requests(workload, args.seed, args.scale, args.vocab)
+    if args.max_tokens:
+        work = [(p, min(o, args.max_tokens)) for p, o in work]
+    quant = args.quantization[0]
     if engine == "kvforge":
-        res = run_kvforge(dtype, kv, work, warm=True, model=args.model)
+        res = run_kvforge(dtype, kv, work, warm=True, model=args.model, quantization=quant, probe=args.probe)
     else:
         res = run_openvino(args.openvino_model, dtype, kv, work, warm=True)
-    print(json.dumps({"engine": engine, "dtype": dtype, "kv": kv, "workload": workload, **res}))
+        res["peak_rss_gb"] = peak_rss_gb()
+    print(json.dumps({"engine": engine, "dtype": dtype, "kv": kv, "weights": quant, "workload": workload, **res}))
 
 
 def openvino_missing(python: str, model: str | None) -> str | None:
@@ -192,59 +233,110 @@ def openvino_missing(python: str, model: str | None) -> str | None:
     return None
 
 
-def main() -> None:
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # kvforge's weight formats (`quantization=`; none: the model dtype)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with `--model-size`'s defaults filled in (bf16, KV in the model dtype, weights none /
+    int8 / int4, the write-up's probe) where the flag was not given."""
+    from random_llama import PRESETS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", nargs="+", default=["kvforge", "openvino"], choices=["kvforge", "openvino"])
-    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    ap.add_argument("--kv", nargs="+", default=["model", "8bit"], choices=KV_CHOICES)
+    ap.add_argument("--dtype", nargs="+", default=None, choices=["float32", "bfloat16"],
+                    help="default: float32 bfloat16 (bfloat16 with --model-size)")
+    ap.add_argument("--kv", nargs="+", default=None, choices=KV_CHOICES,
+                    help="default: model 8bit (model with --model-size)")
+    ap.add_argument("--quantization", nargs="+", default=None, choices=QUANTIZATIONS,
+                    help="kvforge's weight formats; default: none (none int8 int4 with --model-size). OpenVINO "
+                         "runs the none rows only, on --openvino-model as exported")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--openvino-python", default=sys.executable)
     ap.add_argument("--openvino-model", default=None, help="folder exported by optimum-cli export openvino")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (quick runs)")
+    ap.add_argument("--max-tokens", type=int, default=0, help="cap every request's output tokens (quick runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="kvforge's model (default: SmolLM2-135M-Instruct; smoke tests)")
+    ap.add_argument("--model-size", choices=sorted(PRESETS), default=None,
+                    help="a random-weight Llama of this size (random_llama.py), built once into --model-cache")
+    ap.add_argument("--model-cache", default=None, help="where --model-size models are kept (default: ~/.cache)")
+    ap.add_argument("--probe", action="store_true",
+                    help="peak RSS, weight bytes read per second and a bandwidth probe per kvforge run "
+                         "(on with --model-size)")
     ap.add_argument("--vocab", type=int, default=VOCAB, help="prompt ids are drawn below this")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds over every configuration; each row is its median run (noisy machines)")
-    ap.add_argument("--save", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}_peers.json")
+    ap.add_argument("--save", default=None,
+                    help="JSON (and a plot beside it); default benchmarks/results/DATE_peers[_SIZE].json")
     ap.add_argument("--one", nargs=4, metavar=("ENGINE", "DTYPE", "KV", "WORKLOAD"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.model_size and args.model:
+        ap.error("--model-size builds its own model: leave --model out")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.max_tokens < 0:
+        ap.error(f"--max-tokens must be positive (0: as the workload asks), got {args.max_tokens}")
+    sized = args.model_size is not None
+    args.dtype = args.dtype or (["bfloat16"] if sized else ["float32", "bfloat16"])
+    args.kv = args.kv or (["model"] if sized else ["model", "8bit"])
+    args.quantization = args.quantization or (["none", "int8", "int4"] if sized else ["none"])
+    args.probe = args.probe or sized
+    if args.save is None:
+        args.save = (f"benchmarks/results/{time.strftime('%Y-%m-%d')}_peers"
+                     f"{f'_{args.model_size}_weight_formats' if sized else ''}.json")
+    return args
+
+
+def configs_of(args: argparse.Namespace, engines: list[str]) -> list[tuple[str, str, str, str, str]]:
+    """(workload, dtype, kv, weights, engine) in run order; OpenVINO takes no fp8 KV and only the unquantized
+    weights (its int8 is another exported folder)."""
+    return [(workload, dtype, kv, quant, engine) for workload in args.workloads for dtype in args.dtype
+            for kv in args.kv for quant in args.quantization for engine in engines
+            if not (engine == "openvino" and (kv == "fp8" or quant != "none"))]
+
+
+def main() -> None:
+    args = parse_args()
     if args.one:
         child(args)
         return
+    if args.model_size:
+        from random_llama import ensure_model
+
+        args.model = ensure_model(args.model_size, args.model_cache, log=lambda s: print(s, file=sys.stderr))
     engines = list(args.engines)
     if "openvino" in engines:
         why = openvino_missing(args.openvino_python, args.openvino_model)
         if why:
             print(f"skipping OpenVINO GenAI: {why}", file=sys.stderr)
             engines.remove("openvino")
-    if args.repeats < 1:
-        ap.error(f"--repeats must be at least 1, got {args.repeats}")
-    configs = [(workload, dtype, kv, engine) for workload in args.workloads for dtype in args.dtype
-               for kv in args.kv for engine in engines if not (engine == "openvino" and kv == "fp8")]
+    configs = configs_of(args, engines)
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
     for round_ in range(args.repeats):
-        for workload, dtype, kv, engine in configs:
+        for workload, dtype, kv, quant, engine in configs:
             python = args.openvino_python if engine == "openvino" else sys.executable
             cmd = [python, os.path.abspath(__file__), "--one", engine, dtype, kv, workload, "--seed",
-                   str(args.seed), "--scale", str(args.scale), "--vocab", str(args.vocab)]
+                   str(args.seed), "--scale", str(args.scale), "--vocab", str(args.vocab), "--quantization", quant,
+                   "--max-tokens", str(args.max_tokens)]
             if args.model:
                 cmd += ["--model", args.model]
+            if args.probe:
+                cmd += ["--probe"]
             if engine == "openvino":
                 cmd += ["--openvino-model", args.openvino_model]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
             if proc.returncode:
-                print(f"{engine} {dtype} {kv} {workload}: failed (exit {proc.returncode})", file=sys.stderr)
+                print(f"{engine} {dtype} {kv} {quant} {workload}: failed (exit {proc.returncode})", file=sys.stderr)
                 continue
             row = json.loads(proc.stdout.strip().splitlines()[-1])
             row["round"] = round_ + 1
-            runs[(workload, dtype, kv, engine)].append(row)
+            runs[(workload, dtype, kv, quant, engine)].append(row)
             if args.repeats == 1:
                 print_row(row, header=sum(map(len, runs.values())) == 1)
             else:
-                print(f"round {round_ + 1}/{args.repeats}: {workload} {dtype} kv={kv} {engine}: "
+                print(f"round {round_ + 1}/{args.repeats}: {workload} {dtype} kv={kv} weights={quant} {engine}: "
                       f"{row['wall_s']:.2f} s, {row['out_tok_s']:.1f} out tok/s", file=sys.stderr, flush=True)
     rows = [median_run(runs[c]) for c in configs if runs[c]]
     if args.repeats > 1:
@@ -252,9 +344,10 @@ def main() -> None:
             print_row(r, header=i == 0)
     print_ratios(rows)
     if args.save and rows:
-        os.makedirs(os.path.dirname(args.save), exist_ok=True)
+        os.makedirs(os.path.dirname(args.save) or ".", exist_ok=True)
         with open(args.save, "w") as f:
-            json.dump({"scale": args.scale, "seed": args.seed, "repeats": args.repeats, "rows": rows}, f, indent=2)
+            json.dump({"scale": args.scale, "seed": args.seed, "repeats": args.repeats, "model_size": args.model_size,
+                       "max_tokens": args.max_tokens, "rows": rows}, f, indent=2)
         plot(rows, args.save.rsplit(".", 1)[0] + ".png")
 
 
@@ -280,25 +373,36 @@ def _rounds_note(a: dict, b: dict) -> str:
 
 def print_row(r: dict, header: bool) -> None:
     spread = r.get("runs_out_tok_s", [])
+    probe = "probe_gbs" in r
     if header:
-        print(f"{'workload':<8} {'dtype':<9} {'kv':<6} {'engine':<9} {'wall s':>8} {'out tok/s':>10} "
-              f"{'TTFT ms':>9} {'decode tok/s':>13}" + (f" {'runs (out tok/s)':>18}" if len(spread) > 1 else ""))
-    print(f"{r['workload']:<8} {r['dtype']:<9} {r['kv']:<6} {r['engine']:<9} {r['wall_s']:>8.2f} "
-          f"{r['out_tok_s']:>10.1f} {r['ttft_ms']:>9.1f} {r['decode_tok_s']:>13.1f}"
+        print(f"{'workload':<8} {'dtype':<9} {'kv':<6} {'weights':<7} {'engine':<9} {'wall s':>8} {'out tok/s':>10} "
+              f"{'TTFT ms':>9} {'mean TTFT':>10} {'decode tok/s':>13}"
+              + (f" {'peak RSS GB':>11} {'RSS GB':>6} {'GB/step':>8} {'read GB/s':>9} {'probe GB/s':>10}" if probe else "")
+              + (f" {'runs (out tok/s)':>18}" if len(spread) > 1 else ""))
+    print(f"{r['workload']:<8} {r['dtype']:<9} {r['kv']:<6} {r.get('weights', 'none'):<7} {r['engine']:<9} "
+          f"{r['wall_s']:>8.2f} {r['out_tok_s']:>10.1f} {r['ttft_ms']:>9.1f} {r.get('mean_ttft_ms', float('nan')):>10.1f} "
+          f"{r['decode_tok_s']:>13.1f}"
+          + (f" {r['peak_rss_gb']:>11.2f} {r.get('rss_gb', float('nan')):>6.2f} {r['weight_gb_per_step']:>8.3f} "
+             f"{r['weight_read_gbs']:>9.1f} "
+             f"{r['probe_gbs']:>10.1f}" if probe else "")
           + (f" {min(spread):>8.1f}-{max(spread):<9.1f}" if len(spread) > 1 else ""), flush=True)
 
 
 def print_ratios(rows: list[dict]) -> None:
-    by = {(r["workload"], r["dtype"], r["kv"], r["engine"]): r for r in rows}
-    for (w, d, kv, e), r in sorted(by.items()):
-        peer = by.get((w, d, kv, "openvino"))
+    by = {(r["workload"], r["dtype"], r["kv"], r.get("weights", "none"), r["engine"]): r for r in rows}
+    for (w, d, kv, q, e), r in sorted(by.items()):
+        peer = by.get((w, d, kv, q, "openvino"))
         if e == "kvforge" and peer:
             print(f"{w} {d} kv={kv}: kvforge/OpenVINO out tok/s {r['out_tok_s'] / peer['out_tok_s']:.2f}x, "
                   f"decode {r['decode_tok_s'] / max(peer['decode_tok_s'], 1e-9):.2f}x{_rounds_note(r, peer)}")
-        base = by.get((w, d, "model", e))
+        base = by.get((w, d, "model", q, e))
         if kv != "model" and base:
             print(f"{w} {d} {e}: {kv} KV / model-dtype KV out tok/s {r['out_tok_s'] / base['out_tok_s']:.2f}x, "
                   f"decode {r['decode_tok_s'] / max(base['decode_tok_s'], 1e-9):.2f}x{_rounds_note(r, base)}")
+        dense = by.get((w, d, kv, "none", e))
+        if q != "none" and dense:
+            print(f"{w} {d} kv={kv} {e}: {q} weights / {d} weights out tok/s {r['out_tok_s'] / dense['out_tok_s']:.2f}x, "
+                  f"decode {r['decode_tok_s'] / max(dense['decode_tok_s'], 1e-9):.2f}x{_rounds_note(r, dense)}")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -310,7 +414,8 @@ def plot(rows: list[dict], path: str) -> None:
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
         return
-    labels = [f"{r['workload']}\n{r['dtype'][:4]} kv={r['kv']}\n{r['engine']}" for r in rows]
+    labels = [f"{r['workload']}\n{r['dtype'][:4]} kv={r['kv']} w={r.get('weights', 'none')}\n{r['engine']}"
+              for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
     ax.bar(range(len(rows)), [r["out_tok_s"] for r in rows],
            color=["tab:blue" if r["engine"] == "kvforge" else "tab:orange" for r in rows])

@@ -1,17 +1,22 @@
-"""One-stream decode tok/s of the default model (bf16 activations) per weight format: none, int8, int4, gguf.
+"""One-stream decode tok/s per weight format (none, int8, int4, gguf), bf16 activations, fused decode layers on
+and off, in one process.
 
-All four engines are loaded first, then timed in turn for `--rounds` rounds (best kept), each round a
-1-token and a 65-token greedy generation of the same prompt; decode tok/s = 64 / (t65 - t1). Weight
-bytes are the ledger's. The unquantized bf16 model runs its decode steps in the fused decode-layers
-call (`models/decode_layers.py`); the quantized ones run layer by layer (that call takes dense panel
-weights only), so on this 135M model per-layer dispatch weighs on them.
+All engines are loaded first, then timed in turn for `--rounds` rounds (best kept), each round a 1-token and a
+(1 + `--tokens`)-token greedy generation of the same prompt; decode tok/s = tokens / (t_long - t_1). With
+`--unfused` every engine is timed a second time with `KVFORGE_FUSED_LAYERS=0` (read at each step), so the
+fused decode-layers call (`models/decode_layers.py`, which takes panel weights and, since issue 41, int8 / int4
+codes) is compared with the Python layers on the same engine. Weight bytes are the ledger's.
 
-    python benchmarks/weight_quant_e2e.py [--rounds 3]
+    python benchmarks/weight_quant_e2e.py [--rounds 3]                                      # default model
+    python benchmarks/weight_quant_e2e.py --model-size 1b --formats none int8 int4 --tokens 32 --unfused
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from pathlib import Path
 
 from kvforge import LLM, SamplingParams
 from kvforge.engine.startup_report import weights_bytes
@@ -20,23 +25,43 @@ from kvforge.engine.startup_report import weights_bytes
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens timed per generation")
+    ap.add_argument("--formats", nargs="+", default=["none", "int8", "int4", "gguf"],
+                    choices=["none", "int8", "int4", "gguf"])
+    ap.add_argument("--group-size", type=int, default=None, help="int4 group size (default: the engine's)")
+    ap.add_argument("--model-size", default=None, help="a random-weight Llama of benchmarks/random_llama.py (1b, 3b)")
+    ap.add_argument("--unfused", action="store_true", help="also time each engine with KVFORGE_FUSED_LAYERS=0")
     args = ap.parse_args()
-    engines = {q: LLM(dtype="bfloat16", quantization=q, log_ledger=False, enable_prefix_caching=False,
-                      num_kv_blocks=64) for q in (None, "int8", "int4", "gguf")}
-    one, many = (SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, 65))
+    model = None
+    sys.path.insert(0, str(Path(__file__).parent))
+    from random_llama import ensure_model
+
+    if args.model_size:
+        model = ensure_model(args.model_size)
+    engines = {q: LLM(model=model, dtype="bfloat16", quantization=None if q == "none" else q, log_ledger=False,
+                      enable_prefix_caching=False, num_kv_blocks=64, max_model_len=1024,
+                      **({"quantization_group_size": args.group_size} if args.group_size and q == "int4" else {}))
+               for q in args.formats}
+    one, many = (SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, args.tokens + 1))
     prompt = ["The history of the Roman empire begins"]
-    best: dict[str | None, float] = {}
+    modes = ["fused", "python layers"] if args.unfused else ["fused"]
+    best: dict[tuple[str, str], float] = {}
     for _ in range(args.rounds):
         for q, llm in engines.items():
-            t0 = time.perf_counter()
-            llm.generate(prompt, one)
-            t1 = time.perf_counter()
-            llm.generate(prompt, many)
-            t2 = time.perf_counter()
-            best[q] = max(best.get(q, 0.0), 64 / max(1e-9, (t2 - t1) - (t1 - t0)))
-    for q, rate in best.items():
+            for mode in modes:
+                os.environ["KVFORGE_FUSED_LAYERS"] = "0" if mode == "python layers" else "1"
+                t0 = time.perf_counter()
+                llm.generate(prompt, one, use_tqdm=False)
+                t1 = time.perf_counter()
+                llm.generate(prompt, many, use_tqdm=False)
+                t2 = time.perf_counter()
+                rate = args.tokens / max(1e-9, (t2 - t1) - (t1 - t0))
+                best[q, mode] = max(best.get((q, mode), 0.0), rate)
+    base = best["none", "fused"] if ("none", "fused") in best else None
+    for (q, mode), rate in best.items():
         mib = weights_bytes(engines[q].engine.model) / 2**20
-        print(f"{str(q):<5} weights {mib:7.1f} MiB  decode {rate:6.1f} tok/s  {rate / best[None]:.2f}x bf16")
+        vs = f"  {rate / base:.2f}x bf16 fused" if base else ""
+        print(f"{q:<5} {mode:<13} weights {mib:7.1f} MiB  decode {rate:6.2f} tok/s{vs}")
 
 
 if __name__ == "__main__":

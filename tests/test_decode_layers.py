@@ -64,6 +64,24 @@ def test_fused_steps_over_8bit_caches_equal_the_python_layers_bitwise(tiny_model
     assert len(hidden) == len(ref_hidden) and all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kwargs", [{"quantization": "int8"}, {"quantization": "int4"},
+                                    {"quantization": "int4", "quantization_group_size": 64, "kv_cache_dtype": "int8"}],
+                         ids=["int8", "int4", "int4-g64-int8kv"])
+def test_fused_steps_over_quantized_weights_equal_the_python_layers_bitwise(tiny_model_factory, monkeypatch, dtype,
+                                                                            kwargs):
+    """Weight-only int8 / int4 models run the fused loop with the quantized kernel: the same hidden states."""
+    from kvforge.models import quant_linear
+
+    if quant_linear.LIBRARY.load() is None:
+        pytest.skip(f"{quant_linear.LIBRARY.error}")
+    path, _ = tiny_model_factory("llama_gqa")
+    tokens, hidden, served = _run(path, monkeypatch, True, dtype, "panel", 8, **kwargs)
+    ref_tokens, ref_hidden, ref_served = _run(path, monkeypatch, False, dtype, "panel", 8, **kwargs)
+    assert served > 0 and ref_served == 0 and tokens == ref_tokens
+    assert len(hidden) == len(ref_hidden) and all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+
+
 def test_steps_outside_its_reach_run_the_python_layers(tiny_model_factory, monkeypatch):
     """int4 and per-channel caches, KV eviction's attention scoring, and oneDNN-only weights: never served
     (prefill steps never are either: served counts decode steps only)."""

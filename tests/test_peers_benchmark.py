@@ -63,3 +63,50 @@ def test_per_round_pairs_runs_of_the_same_round() -> None:
 def test_repeats_below_one_is_a_usage_error(tiny: str) -> None:
     proc = run("--engines", "kvforge", "--repeats", "0", "--model", tiny)
     assert proc.returncode == 2 and "--repeats must be at least 1, got 0" in proc.stderr
+
+
+def _benchmarks_on_path() -> None:
+    path = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def test_model_size_presets_have_the_issue_shapes() -> None:
+    """The 1b preset is issue 41's Llama (~1.07B parameters, 2.14 GB in bf16); 3b is Llama 3.2 3B's shape."""
+    _benchmarks_on_path()
+    from random_llama import hf_config, num_parameters, tensor_shapes
+
+    cfg = hf_config("1b")
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]) == (2048, 16, 32, 8, 64, 8192, 49152)
+    assert cfg["tie_word_embeddings"] and "lm_head.weight" not in tensor_shapes(cfg)
+    assert tensor_shapes(cfg)["model.layers.15.self_attn.k_proj.weight"] == (512, 2048)
+    assert num_parameters(cfg) == 1_073_809_408  # 2.15 GB in bf16
+    assert 2.9e9 < num_parameters(hf_config("3b")) < 3.1e9
+    with pytest.raises(ValueError, match="model size must be one of"):
+        hf_config("7b")
+
+
+def test_model_size_fills_in_its_defaults() -> None:
+    _benchmarks_on_path()
+    from peers import configs_of, parse_args
+
+    sized = parse_args(["--model-size", "1b", "--workloads", "single", "batch"])
+    assert (sized.dtype, sized.kv, sized.quantization, sized.probe) == (["bfloat16"], ["model"],
+                                                                         ["none", "int8", "int4"], True)
+    assert sized.save.endswith("_peers_1b_weight_formats.json")
+    configs = configs_of(sized, ["kvforge", "openvino"])
+    assert configs[:4] == [("single", "bfloat16", "model", "none", "kvforge"),
+                           ("single", "bfloat16", "model", "none", "openvino"),
+                           ("single", "bfloat16", "model", "int8", "kvforge"),
+                           ("single", "bfloat16", "model", "int4", "kvforge")]  # OpenVINO: unquantized rows only
+    plain = parse_args([])
+    assert (plain.dtype, plain.kv, plain.quantization, plain.probe) == (["float32", "bfloat16"], ["model", "8bit"],
+                                                                         ["none"], False)
+    explicit = parse_args(["--model-size", "3b", "--quantization", "int8", "--dtype", "float32"])
+    assert (explicit.quantization, explicit.dtype) == (["int8"], ["float32"])
+
+
+def test_model_size_with_a_model_is_a_usage_error() -> None:
+    proc = run("--model-size", "1b", "--model", "/some/folder")
+    assert proc.returncode == 2 and "--model-size builds its own model" in proc.stderr

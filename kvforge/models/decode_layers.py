@@ -13,7 +13,9 @@ It applies to steps of decode rows only, no more rows than the panel kernels tak
 or 8-bit ones (int8, fp8; per-token, per-head or set per-tensor scales: written by the same C
 quantizer the stores use), read by the CPU decode kernel, one metadata for every layer, no attention-mass scoring (KV eviction), and models
 whose layers are plain `LlamaDecoderLayer`s: packed q|k|v and gate|up without biases, SiLU, no q/k
-norm, no MoE. Anything else returns None and the model runs its Python layers.
+norm, no MoE. The four matmuls of every layer are panel weights of the compute dtype, or all of them
+weight-only int8 / int4 codes (`quantization=`, run by `quant_linear`'s kernel, as the Python layers
+run them). Anything else returns None and the model runs its Python layers.
 `KVFORGE_FUSED_LAYERS=0` turns it off.
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ from kvforge.attention.cpu_paged import kernel_views
 from kvforge.kv import quant_kernel
 from kvforge.kv.storage.dense import DenseKVCache
 from kvforge.kv.storage.quantized import QuantizedKVCache
-from kvforge.models import fused, panel_linear
+from kvforge.models import fused, panel_linear, quant_linear
 from kvforge.models.layers import GatedMLP
 from kvforge.models.linear import PANEL_DECODE_ROWS, Linear
 from kvforge.native import NativeLibrary
@@ -41,7 +43,7 @@ GRAN_TENSOR = quant_kernel.GRANULARITY_CODES["tensor"]
 
 
 class _Fns(ctypes.Structure):
-    _fields_ = [("linear", _P), ("rms_norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P), ("quantize", _P)]
+    _fields_ = [("linear", _P), ("qlinear", _P), ("rms_norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P), ("quantize", _P)]
 
 
 class _Write(ctypes.Structure):
@@ -53,6 +55,11 @@ class _Write(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("ln1", _P), ("ln2", _P), ("wqkv", _P), ("wo", _P), ("wgu", _P), ("wdown", _P),
                 ("k_view", _P), ("v_view", _P), ("k_write", _Write), ("v_write", _Write), ("window", _I)]
+
+
+class _QDesc(ctypes.Structure):
+    """`kvf_qdesc` (linear_quant.c): one quantized weight, as `kvf_qlinear_desc` takes it."""
+    _fields_ = [("codes", _P), ("scales", _P), ("offsets", _P), ("group", _I), ("bits", _I)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -78,9 +85,14 @@ def _layer_linears(layer: torch.nn.Module) -> list[Linear] | None:
             or layer.post_attention_layernorm.offset):
         return None
     linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    if any(type(m) is not Linear or m.bias is not None or m.panel_weight is None for m in linears):
+    if any(type(m) is not Linear or m.bias is not None or (m.panel_weight is None and m.quant_weight is None)
+           for m in linears):
         return None
     return linears
+
+
+def _in_features(lin: Linear) -> int:
+    return lin.quant_weight.k if lin.quant_weight is not None else lin.panel_weight.k
 
 
 class _Plan:
@@ -90,14 +102,18 @@ class _Plan:
         self.dtype = dtype
         layers = model.model.layers
         self.linears = [_layer_linears(layer) for layer in layers]
-        self.ok = all(ls is not None and all(m.panel_weight.dtype == dtype for m in ls) for ls in self.linears)
+        every = [m for ls in self.linears if ls is not None for m in ls]
+        # one kernel for the whole stack: every matmul on panels of the compute dtype, or every one on codes
+        self.quant = bool(every) and all(m.quant_weight is not None for m in every)
+        self.ok = all(ls is not None for ls in self.linears) and (
+            self.quant or all(m.quant_weight is None and m.panel_weight.dtype == dtype for m in every))
         if not self.ok:
             return
         attn = layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.scale
-        self.hidden = attn.qkv_proj.panel_weight.k
-        self.inter = layers[0].mlp.down_proj.panel_weight.k
+        self.hidden = _in_features(attn.qkv_proj)
+        self.inter = _in_features(layers[0].mlp.down_proj)
         self.eps = layers[0].input_layernorm.eps
         self.windows = [layer.self_attn.sliding_window or 0 for layer in layers]
         self.ok = (all(layer.input_layernorm.eps == self.eps and layer.post_attention_layernorm.eps == self.eps
@@ -117,21 +133,30 @@ class _Plan:
         self.table: ctypes.Array | None = None
         self.structs: list = []  # the decode kernel's operands the table points at (and per-tensor scales)
         self.num_blocks = self.block_size = 0
-        self.fns = _fns(dtype)
+        # the quantized weights as `kvf_qdesc`s, one per matmul (the QuantWeights keep their tensors alive)
+        self.qdescs = [[_qdesc(m.quant_weight) for m in ls] for ls in self.linears] if self.quant else []
+        self.fns = _fns(dtype, self.quant)
+
+
+def _qdesc(qw) -> _QDesc:  # type: ignore[no-untyped-def]
+    return _QDesc(qw.codes.data_ptr(), qw.scales.data_ptr(), qw.offsets.data_ptr() if qw.offsets is not None else None,
+                  qw.group, qw.bits)
 
 
 def _enabled() -> bool:
     return bool(envs.KVFORGE_FUSED_LAYERS)
 
 
-def _fns(dtype: torch.dtype) -> _Fns | None:
-    lin = panel_linear.LIBRARY.load() if dtype == torch.float32 else panel_linear.LIBRARY_BF16.load()
+def _fns(dtype: torch.dtype, quant: bool = False) -> _Fns | None:
+    """The kernels' entry points: the panel linear of `dtype`, or with `quant` the int8 / int4 one."""
+    lin = (quant_linear.LIBRARY.load() if quant else panel_linear.LIBRARY.load() if dtype == torch.float32
+           else panel_linear.LIBRARY_BF16.load())
     ops, dec = fused.LIBRARY.load(), cpu_kernel.LIBRARY.load()
     if lin is None or ops is None or dec is None:
         return None
     qnt = quant_kernel.LIBRARY.load()  # optional: without it, 8-bit caches keep the Python layers
-    return _Fns(_address(lin, "kvf_panel_linear" if dtype == torch.float32 else "kvf_panel_linear_bf16"),
-                _address(ops, "kvf_rms_norm"), _address(ops, "kvf_rotary"), _address(ops, "kvf_silu_mul"),
+    dense = 0 if quant else _address(lin, "kvf_panel_linear" if dtype == torch.float32 else "kvf_panel_linear_bf16")
+    return _Fns(dense, _address(lin, "kvf_qlinear_desc") if quant else 0, _address(ops, "kvf_rms_norm"), _address(ops, "kvf_rotary"), _address(ops, "kvf_silu_mul"),
                 _address(dec, "kvf_paged_decode"), _address(qnt, "kvf_quantize_rows") if qnt is not None else 0)
 
 
@@ -232,13 +257,16 @@ def _bind_caches(plan: _Plan, caches: list) -> bool:
         parts.append((k_view, v_view, writes))
         statics += [(p, w.static_scale) for p, w in zip(pools, writes) if w.gran == GRAN_TENSOR]
     structs, rows = [], []
-    for linears, (ln1, ln2), window, (k_view, v_view, (k_write, v_write)) in zip(plan.linears, plan.norms,
-                                                                               plan.windows, parts):
+    for i, (linears, (ln1, ln2), window, (k_view, v_view, (k_write, v_write))) in enumerate(
+            zip(plan.linears, plan.norms, plan.windows, parts)):
         kv = (k_view.struct(), v_view.struct())
         # a per-tensor scale may be a tensor of its own (store_view reshapes it): keep it alive, it is one
         # float; every other pointer is into the cache, which `_bound` checks is alive
         structs.append((kv, [v.scale for v in (k_view, v_view) if v.granularity == "tensor"]))
-        wqkv, wo, wgu, wdown = (lin.panel_weight.packed.data_ptr() for lin in linears)
+        if plan.quant:
+            wqkv, wo, wgu, wdown = (ctypes.addressof(d) for d in plan.qdescs[i])
+        else:
+            wqkv, wo, wgu, wdown = (lin.panel_weight.packed.data_ptr() for lin in linears)
         rows.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), wqkv, wo, wgu, wdown, ctypes.addressof(kv[0]),
                            ctypes.addressof(kv[1]), k_write, v_write, window))
     plan.table = (_Layer * len(rows))(*rows)

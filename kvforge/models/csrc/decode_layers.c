@@ -10,6 +10,8 @@
  * pointers taken from their own libraries, so every intermediate is rounded exactly as there and the
  * output is bitwise the same. The residual adds round to the compute dtype as torch's `x + y` does.
  *
+ * Weight-only int8 / int4 models run the same loop with linear_quant.c's kernel for the four matmuls.
+ *
  * Scope (checked by the caller): decode rows only (a few rows), fp32 or bf16, caches in the compute dtype
  * or 8-bit (int8, fp8) with per-token, per-head or per-tensor scales (written through kv_quantize.c, as
  * the stores write them), no biases, SiLU gate, no per-head q/k norm; one KV cache layout for all layers.
@@ -21,6 +23,9 @@
 #include "kvf_bf16.h"
 
 typedef void (*linear_fn)(const void *x, int64_t M, int64_t K, const void *wp, int64_t N, const void *bias, void *y,
+                          int nthreads);
+/* linear_quant.c's `kvf_qlinear_desc`: weight-only int8 / int4 codes described by a `kvf_qdesc` (its header). */
+typedef int (*qlinear_fn)(const void *x, int x_bf16, int64_t M, int64_t K, const void *desc, int64_t N, void *y,
                           int nthreads);
 typedef void (*rms_norm_fn)(const void *x, int64_t x_stride, const void *w, void *out, int64_t T, int64_t D,
                             float eps, float offset, int code);
@@ -35,6 +40,7 @@ typedef int (*decode_fn)(const void *q, const void *K, const void *V, const int6
 
 typedef struct {
     linear_fn linear; /* the panel kernel of the compute dtype */
+    qlinear_fn qlinear; /* non-NULL: every layer's weights are `kvf_qdesc`s of quantized codes instead */
     rms_norm_fn rms_norm;
     rotary_fn rotary;
     silu_mul_fn silu_mul;
@@ -53,7 +59,7 @@ typedef struct {
 
 typedef struct {
     const void *ln1, *ln2;                /* RMSNorm weights [hidden] */
-    const void *wqkv, *wo, *wgu, *wdown;  /* panel-packed weights */
+    const void *wqkv, *wo, *wgu, *wdown;  /* panel-packed weights, or `kvf_qdesc`s with fn->qlinear */
     const void *k_view, *v_view;          /* the decode kernel's `kvf_kv` operands */
     kvf_write k_write, v_write;           /* the same pools, [NB, BS, HKV, D], as the writes see them */
     int64_t window;                       /* sliding window (0: none) */
@@ -72,6 +78,14 @@ static void residual_add(void *x, const void *y, int64_t n, int code) {
     }
 }
 
+/* y = x @ W^T through the panel kernel, or the quantized one when the model's weights are codes. */
+static int linear(const kvf_layer_fns *fn, const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y,
+                  int code, int nthreads) {
+    if (fn->qlinear) return fn->qlinear(x, code, M, K, w, N, y, nthreads);
+    fn->linear(x, M, K, w, N, NULL, y, nthreads);
+    return 0;
+}
+
 /* Rows x [M, H, D] (compute dtype) into the pool at their slots, copied or quantized. */
 static void write_rows(const kvf_layer_fns *fn, const kvf_write *w, const char *x, int64_t M, int64_t H, int64_t D,
                        const int64_t *slots, int code) {
@@ -85,7 +99,7 @@ static void write_rows(const kvf_layer_fns *fn, const kvf_write *w, const char *
 
 /* x [M, hidden] (updated in place) through L layers. cos/sin [M, D]; slots [M]: where each row's K/V go;
  * tables [M, MAXNB] / seq_lens [M]: the decode kernel's checked indices. Returns 0, -1 when scratch could
- * not be allocated, or the decode kernel's error code. */
+ * not be allocated (here or in the quantized kernel), or the decode kernel's error code. */
 int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t L, void *x, int64_t M,
                       int64_t hidden, int64_t H, int64_t HKV, int64_t D, int64_t inter, const void *cos_,
                       const void *sin_, const int64_t *slots, const int64_t *tables, const int64_t *seq_lens,
@@ -99,7 +113,7 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const kvf_layer *ly = layers + l;
         fn->rms_norm(x, hidden, ly->ln1, h, M, hidden, eps, 0.f, code);
-        fn->linear(h, M, hidden, ly->wqkv, nqkv, NULL, qkv, nthreads);
+        if ((rc = linear(fn, h, M, hidden, ly->wqkv, nqkv, qkv, code, nthreads))) break;
         fn->rotary(qkv, nqkv, cos_, sin_, q, M, H, D, code);
         fn->rotary(qkv + qsz * esz, nqkv, cos_, sin_, k, M, HKV, D, code);
         /* the cache write: rotated K, and V as the matmul left it (gathered into rows for a quantizer) */
@@ -109,12 +123,12 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
         rc = fn->decode(q, ly->k_view, ly->v_view, tables, seq_lens, att, M, H, HKV, D, D, BS, MAXNB, ly->window,
                         scale, 0.f, code);
         if (rc) break;
-        fn->linear(att, M, qsz, ly->wo, hidden, NULL, o, nthreads);
+        if ((rc = linear(fn, att, M, qsz, ly->wo, hidden, o, code, nthreads))) break;
         residual_add(x, o, M * hidden, code);
         fn->rms_norm(x, hidden, ly->ln2, h, M, hidden, eps, 0.f, code);
-        fn->linear(h, M, hidden, ly->wgu, 2 * inter, NULL, gu, nthreads);
+        if ((rc = linear(fn, h, M, hidden, ly->wgu, 2 * inter, gu, code, nthreads))) break;
         fn->silu_mul(gu, act, M, inter, code);
-        fn->linear(act, M, inter, ly->wdown, hidden, NULL, o, nthreads);
+        if ((rc = linear(fn, act, M, inter, ly->wdown, hidden, o, code, nthreads))) break;
         residual_add(x, o, M * hidden, code);
     }
     free(h), free(qkv), free(q), free(k), free(v), free(att), free(o), free(gu), free(act);
