@@ -20,7 +20,7 @@ from benchmarks.load_memory import measure, write_random_llama  # noqa: E402
 pytestmark = pytest.mark.slow  # two engine start-ups in fresh processes, each ~10-20 s on a loaded machine
 
 # what a load holds besides the weights, independent of the model's size: one block of the file's pages, its
-# conversion and quantization temporaries (weight_stream.BLOCK_BYTES = 8 MiB of fp32: ~3x that), the allocator
+# conversion and quantization temporaries (weight_source.BLOCK_BYTES = 8 MiB of fp32: ~3x that), the allocator
 SLACK = 32 << 20
 
 

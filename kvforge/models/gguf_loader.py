@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvforge.gguf_tokenizer import field
-from kvforge.models.weight_stream import Block, WeightSource, drop_pages, rows_per_block
+from kvforge.models.weight_source import Block, WeightSource, drop_pages, rows_per_block
 
 logger = logging.getLogger(__name__)
 

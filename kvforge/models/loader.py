@@ -22,7 +22,7 @@ from kvforge.models.validate import ModelFileError, check_weight_shapes, safeten
 if TYPE_CHECKING:
     import torch
 
-    from kvforge.models.weight_stream import WeightSource
+    from kvforge.models.weight_source import WeightSource
     from kvforge.tokenizer import Tokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
