@@ -8,7 +8,7 @@ import pytest
 
 from kvforge.cli import main
 from kvforge.commands.eval_evict import parse_budgets, parse_depths, parse_lengths
-from kvforge.evaluation.passkey_depth import build_prompts, depth_prompt
+from kvforge.evaluation.passkey_depth import build_prompts, depth_prompt, merge_results, render_depth_table
 from kvforge.tokenizer import Tokenizer
 
 
@@ -92,6 +92,9 @@ def test_depth_run_writes_table_json_and_counts_every_cell(tiny, tmp_path, capsy
     assert len(cells) == 4 + 2 * 8 and all(c["total"] == 1 and len(c["answers"]) == 1 for c in cells)
     assert {c["kept_tokens"] for c in cells if c["budget"] == "50%"} == {148, 200}  # whole blocks of 4
     assert data["refused"] == {}
+    merged = merge_results([data, {**data, "lengths": [500], "cells": [{**c, "length": 500} for c in cells if c["length"] == 300]}])
+    assert merged.lengths == (300, 400, 500) and merged.found("snapkv", "50%", 500) == merged.found("snapkv", "50%", 300)
+    assert "500@90%" in render_depth_table(merged, "tiny")
 
 
 def test_a_refused_policy_is_reported_and_the_rest_runs(tiny_model_factory, capsys):

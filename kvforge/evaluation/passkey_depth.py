@@ -95,6 +95,22 @@ class DepthResult:
         return asdict(self)
 
 
+def merge_results(saved: list[dict]) -> DepthResult:
+    """One result from the JSON of several runs (e.g. one process per length on a shared machine): their
+    lengths side by side; each run's own depths, budgets and prompts per depth must be the same."""
+    first = saved[0]
+    for other in saved[1:]:
+        if (other["depths"], other["budgets"], other["per_depth"]) != (first["depths"], first["budgets"],
+                                                                         first["per_depth"]):
+            raise ValueError("runs to merge must share their depths, budgets and prompts per depth")
+    result = DepthResult(tuple(first["depths"]), tuple(n for d in saved for n in d["lengths"]),
+                         tuple(first["budgets"]), first["per_depth"])
+    for d in saved:
+        result.cells += [DepthCell(**c) for c in d["cells"]]
+        result.refused.update(d["refused"])
+    return result
+
+
 def _answers(engine, prompts: list[PasskeyPrompt], budgets: list[int | None]) -> list[list[str]]:
     """For each prompt, each budget's answer as text. A prompt's budgets run together, so the later ones
     hit the first one's prompt blocks in the prefix cache."""
