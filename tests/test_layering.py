@@ -24,7 +24,8 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"models"},
     {"engine"},
-    {"evaluation", "server", "learn"},  # learn: `kvforge learn` demos over the engine
+    {"evaluation", "server"},
+    {"learn"},  # `kvforge learn` demos over the engine; quant-at-length reuses evaluation's long-window scoring
     {"distributed"},  # replicas: the KV-affinity router and the Ray Serve deployment (serves with server/)
     {"commands"},  # one module per `kvforge` subcommand, and the registry
     {"cli", "__init__", "__main__"},

@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "learn why-cache": "kvforge.commands.learn_why_cache",
     "learn prefill-vs-decode": "kvforge.commands.learn_prefill_vs_decode",
     "learn paging": "kvforge.commands.learn_paging",
+    "learn quant-at-length": "kvforge.commands.learn_quant_at_length",
     "eval kv-evict": "kvforge.commands.eval_evict",
     "eval weights": "kvforge.commands.eval_weights",
     "top": "kvforge.commands.top",
@@ -33,5 +34,5 @@ GROUPS: dict[str, str] = {
     "bench": "benchmarks (serve: load-test an OpenAI-compatible server)",
     "cache": "prefix-cache tools (explain a miss)",
     "eval": "quality evaluations (kv-quant: KV-cache quantization; kv-evict: KV eviction; weights: int8/int4 weights)",
-    "learn": "runnable, measured lessons: why-cache, prefill-vs-decode, paging (kvforge/learn/)",
+    "learn": "runnable, measured lessons: why-cache, prefill-vs-decode, paging, quant-at-length (kvforge/learn/)",
 }

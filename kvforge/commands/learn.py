@@ -1,8 +1,9 @@
-"""`kvforge learn DEMO`, shared by its three commands (`learn_*.py`): the KV cache's lessons, measured here.
+"""`kvforge learn DEMO`, shared by its four commands (`learn_*.py`): the KV cache's lessons, measured here.
 
   kvforge learn why-cache            # time per token with the cache vs recomputing the prefix, 64..2048
   kvforge learn prefill-vs-decode    # tokens/s, FLOPs per byte, and this machine's compute peak and bandwidth
   kvforge learn paging               # contiguous max_model_len reservation vs paged blocks in equal memory
+  kvforge learn quant-at-length      # KV-quantization loss against context length: fp8, K 16-bit / V fp8, int8
 Each takes --quick (a smaller run, under a minute) and --plot FILE.PNG (needs matplotlib).
 Each demo is its own command in the registry (group "learn"); this module holds their flags and runner.
 """
@@ -36,8 +37,11 @@ def add_demo_arguments(d: argparse.ArgumentParser, name: str) -> None:
                    help="time in this process's CPU seconds, not wall seconds (a loaded, shared machine)")
     d.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's); 1 measures steadily on a loaded, shared machine")
-    if name == "why-cache":
+    if name in ("why-cache", "quant-at-length"):
         d.add_argument("--contexts", type=_int_list, default=None, help="context lengths, e.g. 64,512,2048")
+    if name == "quant-at-length":
+        d.add_argument("--formats", default=None, help="comma-separated KDTYPE[/VDTYPE][@SCALE] rows (default: "
+                       "fp8_e4m3@token,fp8_e4m3@head,bfloat16/fp8_e4m3@head,int8)")
     if name == "prefill-vs-decode":
         d.add_argument("--batches", type=_int_list, default=None, help="batch sizes (default 1,32)")
         d.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence")
