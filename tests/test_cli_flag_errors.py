@@ -72,6 +72,8 @@ CASES = [
     (["learn", "prefill-vs-decode", "--prompt-len", "0"], "--prompt-len"),
     (["learn", "paging", "--num-requests", "0"], "--num-requests"),
     (["learn", "paging", "--max-model-len", "1"], "--max-model-len"),
+    (["learn", "quant-at-length", "--contexts", "64,x"], "--contexts"),
+    (["learn", "quant-at-length", "--formats", "fp9"], "--formats"),
 ]
 
 

@@ -3,8 +3,8 @@
 A small multiple-choice task is written to a local file; the harness scores it twice, through kvforge's
 completions API (echo + logprobs, tokenizing through /tokenize as the harness auto-detects) and with
 transformers in-process. Accuracy must match and every choice's log-likelihood must agree within 1e-3.
-lm-eval is heavy (datasets, pandas, pyarrow, scikit-learn...), so it is not in `[test]`: the test is skipped
-without it, and tests/test_server_evals.py replays the harness's exact payload in every run.
+lm-eval is heavy (datasets, pandas, pyarrow, scikit-learn...) but in `[test]`, so CI runs it; elsewhere the test
+is skipped without it, and tests/test_server_evals.py replays the harness's exact payload in every run.
 """
 from __future__ import annotations
 
