@@ -20,8 +20,11 @@ from benchmarks.load_memory import measure, write_random_llama  # noqa: E402
 pytestmark = pytest.mark.slow  # two engine start-ups in fresh processes, each ~10-20 s on a loaded machine
 
 # what a load holds besides the weights, independent of the model's size: one block of the file's pages, its
-# conversion and quantization temporaries (weight_source.BLOCK_BYTES = 8 MiB of fp32: ~3x that), the allocator
-SLACK = 32 << 20
+# conversion and quantization temporaries (weight_source.BLOCK_BYTES = 8 MiB of fp32: ~3x that), the allocator.
+# glibc's heap makes this vary from run to run: the bf16 load grew 75.8-92.9 MiB over five runs on an idle
+# machine (weights + KV 50.9 MiB), so 32 MiB failed one run in five; 48 MiB still fails the old loader's
+# ~215 MiB by a wide margin.
+SLACK = 48 << 20
 
 
 @pytest.fixture(scope="module")

@@ -64,3 +64,28 @@ def test_a_library_of_several_units_is_linked_into_one_object(tmp_path, monkeypa
     failed = native.NativeLibrary((a, broken), None, "a broken library", lambda _lib: None)
     assert failed.load() is None and "building a broken library failed" in failed.error
     assert not list((tmp_path / "cache" / "kernels").glob(".broken-*"))  # no work folder left behind
+
+
+@pytest.mark.skipif(COMPILER is None, reason="needs a C compiler")
+def test_prebuild_builds_only_what_is_not_cached(tmp_path, monkeypatch):
+    """A cold cache: prebuild compiles in the background and a later load() finds the object; a warm one:
+    prebuild starts nothing (a warm start loads no library early)."""
+    import ctypes
+
+    monkeypatch.setenv("KVFORGE_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "answer.c"
+    src.write_text("int kvf_answer(void) { return 42; }\n")
+
+    def declare(lib: ctypes.CDLL) -> None:
+        lib.kvf_answer.restype = ctypes.c_int
+
+    cold = native.NativeLibrary(src, None, "a test library", declare)
+    assert cold.needs_build()
+    threads = native.prebuild(cold)
+    assert len(threads) == 1
+    threads[0].join()
+    assert cold.load().kvf_answer() == 42
+    warm = native.NativeLibrary(src, None, "a test library", declare)  # same source: the object is cached now
+    assert not warm.needs_build()
+    assert native.prebuild(warm) == []
+    assert warm.load().kvf_answer() == 42

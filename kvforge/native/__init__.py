@@ -123,6 +123,10 @@ def _run(commands: list[list[str]]) -> None:
             raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
 @dataclass
 class NativeLibrary:
     """C sources compiled into one library on first use; `load()` gives the library or None (see `error`)."""
@@ -148,10 +152,24 @@ class NativeLibrary:
                 self._lib, self.error = self._load_locked()
         return self._lib
 
+    def needs_build(self) -> bool:
+        """Whether `load()` would compile: enabled, a compiler on PATH, and no cached object yet."""
+        if self._lib is not None or self.error is not None:
+            return False
+        if self.switch_env is not None and not envs.read(self.switch_env):
+            return False
+        compiler = _compiler()
+        if compiler is None:
+            return False
+        try:
+            return not cache_path(self.sources, compiler, CFLAGS + self.extra_flags + envs.KVFORGE_EXTRA_CFLAGS).exists()
+        except (OSError, subprocess.CalledProcessError):
+            return False
+
     def _load_locked(self) -> tuple[ctypes.CDLL | None, str | None]:
         if self.switch_env is not None and not envs.read(self.switch_env):
             return None, f"disabled by {self.switch_env}=0"
-        compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+        compiler = _compiler()
         if compiler is None:
             return None, "no C compiler (gcc/cc) on PATH"
         flags = CFLAGS + self.extra_flags + envs.KVFORGE_EXTRA_CFLAGS
@@ -174,14 +192,15 @@ class NativeLibrary:
 
 
 def prebuild(*libraries: NativeLibrary) -> list[threading.Thread]:
-    """Start building, side by side, the libraries not yet in the cache, each in a daemon thread.
+    """Start building, side by side, the libraries not yet in the cache, each in a daemon thread (a cached one
+    is left to its first use, so a warm start loads nothing early).
 
     Why: each library is otherwise compiled on its first call, one after the next; started together
     while the weights load, the compilers share the cores with the load instead of queueing after it.
     A later `load()` waits on the library's lock for its build to finish."""
     threads = []
     for lib in libraries:
-        if lib._lib is None and lib.error is None:
+        if lib.needs_build():
             t = threading.Thread(target=lib.load, name=f"kvforge-build-{lib.sources[0].stem}", daemon=True)
             t.start()
             threads.append(t)
