@@ -81,11 +81,13 @@ def test_prebuild_builds_only_what_is_not_cached(tmp_path, monkeypatch):
 
     cold = native.NativeLibrary(src, None, "a test library", declare)
     assert cold.needs_build()
-    threads = native.prebuild(cold)
-    assert len(threads) == 1
-    threads[0].join()
+    for t in native.prebuild(cold):
+        t.join()
+    assert cold._lib is not None and not cold.needs_build()  # built (and loaded) in the background
     assert cold.load().kvf_answer() == 42
     warm = native.NativeLibrary(src, None, "a test library", declare)  # same source: the object is cached now
     assert not warm.needs_build()
-    assert native.prebuild(warm) == []
+    for t in native.prebuild(warm):
+        t.join()
+    assert warm._lib is None  # nothing loaded early on a warm start
     assert warm.load().kvf_answer() == 42

@@ -88,18 +88,29 @@ class EvictRow:
         return asdict(self)
 
 
+def passkey_parts(tokenizer, key: str) -> tuple[list[int], list[int], list[int]]:
+    """The intro, the needle that states `key`, and the question, as token ids."""
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    return enc(PASSKEY_INTRO), enc(f"The pass key is {key}. Remember it. {key} is the pass key.\n"), enc(PASSKEY_QUESTION)
+
+
+def passkey_ids(parts: tuple[list[int], list[int], list[int]], doc: list[int], cut: int) -> list[int]:
+    """The intro, `doc` with the needle after its first `cut` tokens, then the question."""
+    head, needle, ask = parts
+    return head + doc[:cut] + needle + doc[cut:] + ask
+
+
 def passkey_prompts(tokenizer, count: int, tokens: int) -> list[tuple[list[int], str]]:
-    """(prompt ids, key) pairs: the key sits early in `tokens` tokens of documentation, asked at the end."""
+    """(prompt ids, key) pairs: the key sits early (10% depth) in `tokens` tokens of documentation, asked at
+    the end. `evaluation/passkey_depth.py` places it at any depth in longer prompts."""
     rng = random.Random(1234)
     corpus = corpus_token_ids(tokenizer, tokens * (count + 1))
     out = []
     for i in range(count):
         key = str(rng.randint(10000, 99999))
-        enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-        head, needle, ask = enc(PASSKEY_INTRO), enc(f"The pass key is {key}. Remember it. {key} is the pass key.\n"), enc(PASSKEY_QUESTION)
-        filler = corpus[i * tokens : (i + 1) * tokens][: max(0, tokens - len(head) - len(needle) - len(ask))]
-        early = len(filler) // 10
-        out.append((head + filler[:early] + needle + filler[early:] + ask, key))
+        parts = passkey_parts(tokenizer, key)
+        filler = corpus[i * tokens : (i + 1) * tokens][: max(0, tokens - sum(map(len, parts)))]
+        out.append((passkey_ids(parts, filler, len(filler) // 10), key))
     return out
 
 

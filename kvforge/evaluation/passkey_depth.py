@@ -16,12 +16,11 @@ policy) is reported as refused, with the engine's reason, and the others still r
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.evaluation.kv_evict import PASSKEY_INTRO, PASSKEY_QUESTION, POLICIES, budget_tokens, found_key
+from kvforge.evaluation.kv_evict import POLICIES, budget_tokens, found_key, passkey_ids, passkey_parts
 from kvforge.evaluation.kv_quant import corpus_token_ids
 
 ANSWER_TOKENS = 8
@@ -40,16 +39,12 @@ class PasskeyPrompt:
 
 def depth_prompt(tokenizer, filler: list[int], key: str, length: int, depth: int) -> PasskeyPrompt:
     """`length` tokens: the intro, the document with the needle after `depth`% of it, the question."""
-    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    head, ask = enc(PASSKEY_INTRO), enc(PASSKEY_QUESTION)
-    needle = enc(f"The pass key is {key}. Remember it. {key} is the pass key.\n")
-    room = length - len(head) - len(needle) - len(ask)
+    parts = passkey_parts(tokenizer, key)
+    room = length - sum(map(len, parts))
     if room < 1 or len(filler) < room:
         raise ValueError(f"a {length}-token passkey prompt needs {max(room, 1)} filler tokens")
-    doc = filler[:room]
     cut = round(room * depth / 100)
-    ids = head + doc[:cut] + needle + doc[cut:] + ask
-    return PasskeyPrompt(ids, key, len(head) + cut, len(needle), depth, length)
+    return PasskeyPrompt(passkey_ids(parts, filler[:room], cut), key, len(parts[0]) + cut, len(parts[1]), depth, length)
 
 
 def build_prompts(tokenizer, lengths: tuple[int, ...], depths: tuple[int, ...],

@@ -18,6 +18,7 @@ the portable paths that CPUs without AVX-512 get; the tests do).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -75,11 +76,17 @@ def included_files(sources: tuple[Path, ...], include_dirs: tuple[Path, ...] = (
     return list(seen)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiler_version(compiler: str) -> str:
+    """`compiler --version`, asked once per process (every library's cache key needs it)."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+
+
 def cache_key(sources: tuple[Path, ...], compiler: str, flags: tuple[str, ...],
               include_dirs: tuple[Path, ...] = (INCLUDE_DIR,)) -> str:
     """What the built object depends on: every source and header it includes (by content), the flags,
     the compiler's version and this CPU."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    version = _compiler_version(compiler)
     digest = hashlib.sha256()
     for path in included_files(sources, include_dirs):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
@@ -198,11 +205,13 @@ def prebuild(*libraries: NativeLibrary) -> list[threading.Thread]:
     Why: each library is otherwise compiled on its first call, one after the next; started together
     while the weights load, the compilers share the cores with the load instead of queueing after it.
     A later `load()` waits on the library's lock for its build to finish."""
-    threads = []
-    for lib in libraries:
-        if lib.needs_build():
-            t = threading.Thread(target=lib.load, name=f"kvforge-build-{lib.sources[0].stem}", daemon=True)
-            t.start()
-            threads.append(t)
+    def build_if_missing(lib: NativeLibrary) -> None:
+        if lib.needs_build():  # hashing the sources and headers happens here too, off the caller's thread
+            lib.load()
+
+    threads = [threading.Thread(target=build_if_missing, args=(lib,), name=f"kvforge-build-{lib.sources[0].stem}",
+                                daemon=True) for lib in libraries]
+    for t in threads:
+        t.start()
     return threads
 
