@@ -13,11 +13,12 @@ small sizes and times the kernel's in-cache speed instead. Times are per layer.
     git show HEAD~3:kvforge/attention/csrc/paged_decode.c > /tmp/old.c
     OMP_NUM_THREADS=1 python benchmarks/decode_kernel_ab.py --old-source /tmp/old.c --batch 32 --len 512
 
-Since the kernel is two units over `paged_common.h`, a revision from then on is given as its two units (the
-header is found beside them; the shared `kvforge/csrc/include` headers are this tree's):
+Since the kernel is several units over `paged_common.h`, a revision from then on is given as its units (the
+headers are found beside them; the shared `kvforge/csrc/include` headers are this tree's). Both builds get
+this tree's flags (`cpu_kernel.IPA_CP_CLONES`):
 
     mkdir -p /tmp/old && git archive REV kvforge/attention/csrc | tar -x -C /tmp/old
-    python benchmarks/decode_kernel_ab.py --old-source /tmp/old/kvforge/attention/csrc/paged_{decode,prefill}.c
+    python benchmarks/decode_kernel_ab.py --old-source /tmp/old/kvforge/attention/csrc/paged_*.c
 
 `--prefill` times the same file's prefill kernel instead, on a mixed step's prefill rows: four prompts'
 chunks (256, 200, 250 and 301 tokens after 0, 0, 37 and 100 cached ones) of that shape, dense KV
@@ -52,7 +53,7 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel on four prompts' chunks instead")
     args = ap.parse_args()
     libs = {"old": NativeLibrary(tuple(p.resolve() for p in args.old_source), "KVFORGE_CPU_KERNEL", "the old decode kernel",
-                                 cpu_kernel._declare), "new": cpu_kernel.LIBRARY}
+                                 cpu_kernel._declare, cpu_kernel.IPA_CP_CLONES), "new": cpu_kernel.LIBRARY}
     for name, lib in libs.items():
         assert lib.load() is not None, f"{name}: {lib.error}"
     if args.prefill:

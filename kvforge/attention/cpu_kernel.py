@@ -1,7 +1,8 @@
 """The CPU paged-attention kernels: decode rows (`csrc/paged_decode.c`) and, for head size 64,
 prefill chunks (`csrc/paged_prefill.c`), both reading K/V in place from the block pool (what they
-share is `csrc/paged_common.h`). One library of two units, compiled side by side on first use,
-called through ctypes.
+share is `csrc/paged_common.h`). One library of four units (decode's 8-bit and AVX2 kernels are units of
+their own: `paged_decode_q8.c`, `paged_decode_avx2.c`), compiled side by side on first use, called
+through ctypes.
 
 The decode kernel also reads compressed pools in place: a `PoolView` describes one of K/V as it
 lies in memory (fp8/int8/int4 codes and their scales, or rows of another float dtype), and the
@@ -23,7 +24,9 @@ import torch
 
 from kvforge.native import NativeLibrary
 
-SOURCES = (Path(__file__).parent / "csrc" / "paged_decode.c", Path(__file__).parent / "csrc" / "paged_prefill.c")
+# the decode driver, its 8-bit and AVX2 kernels, and prefill: four units compiled side by side, then linked
+SOURCES = tuple(Path(__file__).parent / "csrc" / f"{unit}.c"
+                for unit in ("paged_decode", "paged_decode_q8", "paged_decode_avx2", "paged_prefill"))
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FORMAT_CODES = {"fp8_e4m3": 3, "fp8_e5m2": 4, "int8": 5, "int4": 6}  # kvforge.kv.quant format names
 SCALE_CODES = {None: 0, "tensor": 1, "token": 2, "head": 3, "channel": 4}

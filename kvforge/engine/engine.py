@@ -77,9 +77,9 @@ class LLMEngine:
             self.model_config = ModelConfig.from_hf(checkpoint.hf_config)
             self.device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
             check_backend_device(opts.attention_backend, self.device.type)  # e.g. triton on CPU, no interpreter
-            if self.device.type == "cpu":
-                prebuild_cpu_kernels()  # first run: the C kernels compile while the weights load
             dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
+            if self.device.type == "cpu":  # first run: the C kernels compile while the weights load
+                prebuild_cpu_kernels(dtype, opts.quantization)
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
             opts = config.model_options
             self.executor = None
@@ -414,14 +414,21 @@ class LLMEngine:
         self.kv.check_integrity()
 
 
-def prebuild_cpu_kernels() -> None:
-    """Compile the C kernels a CPU model runs (kvforge/native) side by side, in the background.
+def prebuild_cpu_kernels(dtype: str, quantization: str | None) -> None:
+    """Compile the C kernels a CPU model of `dtype` (a torch dtype's name) and weight `quantization` runs (kvforge/native) side by
+    side, in the background.
 
-    The weight-only quantization kernels are left to their first use: only `quantization=` needs them."""
+    Only those: on a 2-core machine every library compiled now delays the ones the first step waits on, so
+    the fp32 panel kernel is left out of a bf16 run and the int8/int4 linear kernel out of an unquantized one
+    (each still builds on its first use, should a later engine in the process need it)."""
     from kvforge.attention import cpu_kernel
     from kvforge.kv import quant_kernel
-    from kvforge.models import decode_layers, fused, panel_linear
+    from kvforge.models import decode_layers, fused, panel_linear, quant_linear
     from kvforge.native import prebuild
 
-    prebuild(cpu_kernel.LIBRARY, panel_linear.LIBRARY, panel_linear.LIBRARY_BF16, fused.LIBRARY, decode_layers.LIBRARY,
-             quant_kernel.LIBRARY)
+    libraries = [cpu_kernel.LIBRARY, fused.LIBRARY, decode_layers.LIBRARY, quant_kernel.LIBRARY]
+    if quantization:
+        libraries.append(quant_linear.LIBRARY)
+    if dtype in ("float32", "bfloat16"):
+        libraries.append(panel_linear.LIBRARY if dtype == "float32" else panel_linear.LIBRARY_BF16)
+    prebuild(*libraries)

@@ -98,11 +98,12 @@ PACKABLE_DTYPES = _packable_dtypes()
 PANEL_DECODE_ROWS = 4
 
 
-def linear_backend() -> str:
-    """`KVFORGE_LINEAR` resolved: which packed layout(s) CPU weights get at load (read when packing)."""
+def linear_backend(dtype: torch.dtype = torch.float32) -> str:
+    """`KVFORGE_LINEAR` resolved for weights of `dtype`: which packed layout(s) CPU weights get at load (read
+    when packing)."""
     backend = requested_linear_backend()
     if backend == "auto":
-        return "panel" if _panel_preferred() else "onednn"
+        return "panel" if _panel_preferred(dtype) else "onednn"
     return backend
 
 
@@ -110,9 +111,12 @@ def requested_linear_backend() -> str:
     return str(envs.KVFORGE_LINEAR)  # the registry checks it against LINEAR_BACKENDS
 
 
-def _panel_preferred() -> bool:
-    """auto: the fp32 panel kernel's SIMD path is built (the plain-C fallback would lose to oneDNN)."""
-    return panel_kernel_available() and panel_kernel_simd()
+def _panel_preferred(dtype: torch.dtype) -> bool:
+    """auto: the panel kernel of the weights' dtype has its SIMD path built (the plain-C fallback would lose
+    to oneDNN). Asked of that dtype's kernel (fp32's for any other dtype, which no panel kernel packs): a
+    bf16 model then never compiles the fp32 kernel it does not run."""
+    kernel_dtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    return panel_kernel_available(kernel_dtype) and panel_kernel_simd(kernel_dtype)
 
 
 def _panel_layout_for(w: torch.Tensor, backend: str) -> PanelWeight | None:
@@ -190,7 +194,7 @@ class Linear(nn.Linear):
         w = self.weight
         if self.keep_dense or w.device.type != "cpu" or self.quant_weight is not None:
             return False
-        backend = backend or linear_backend()
+        backend = backend or linear_backend(w.dtype)
         self.panel_weight = _panel_layout_for(w, backend)
         self.onednn_weight = None
         if (self.panel_weight is None or backend == "both") and ONEDNN_LINEAR and w.dtype in PACKABLE_DTYPES:
@@ -215,7 +219,8 @@ def pack_linear_weights(
 
     Call after the model has its final dtype and device: a packed layer cannot be moved or cast.
     """
-    backend = linear_backend()
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    backend = linear_backend(dtypes.pop() if len(dtypes) == 1 else torch.float32)
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

@@ -1,8 +1,9 @@
-/* What the paged decode (paged_decode.c) and prefill (paged_prefill.c) kernels share: the `kvf_kv` operand
- * (a cache's rows as stored: dense, fp8, int8 or int4 with their scales), row loads and dequantisation, the
- * AVX-512 / AVX2 building blocks, and the head-group dispatch. Why a header and two units: the two kernels
- * compile side by side (kvforge/native builds a library's units at once, then links them), which halves
- * the first-use build on a 2-core machine. Everything here is static: each unit keeps what it calls.
+/* What the paged decode (paged_decode.c, with its kernels in paged_decode_q8.c and paged_decode_avx2.c) and
+ * prefill (paged_prefill.c) units share: the `kvf_kv` operand (a cache's rows as stored: dense, fp8, int8
+ * or int4 with their scales), row loads and dequantisation, the AVX-512 / AVX2 building blocks, and the
+ * head-group dispatch. Why a header and four units: they compile side by side (kvforge/native builds a
+ * library's units at once, then links them), so the first-use build on a 2-core machine takes half the
+ * compiler time. Everything here is static: each unit keeps what it calls.
  * The layouts and dtype codes are described at the top of paged_decode.c.
  */
 #ifndef KVF_PAGED_COMMON_H
@@ -903,6 +904,20 @@ static inline void unpermute_lut_d64(float *a) {
     case 6: CALL(6); break;     \
     case 7: CALL(7); break;     \
     default: CALL(8); break;    \
+    }
+
+/* FN(args..., G) with G (a variable in scope) as a constant 1..8 in each case: how an entry point of one
+ * unit reaches the per-G clones gcc makes of a static outlined kernel (KVF_OUTLINED). */
+#define KVF_SWITCH_G(FN, ...)                \
+    switch (G) {                             \
+    case 1: FN(__VA_ARGS__, 1); break;       \
+    case 2: FN(__VA_ARGS__, 2); break;       \
+    case 3: FN(__VA_ARGS__, 3); break;       \
+    case 4: FN(__VA_ARGS__, 4); break;       \
+    case 5: FN(__VA_ARGS__, 5); break;       \
+    case 6: FN(__VA_ARGS__, 6); break;       \
+    case 7: FN(__VA_ARGS__, 7); break;       \
+    default: FN(__VA_ARGS__, 8); break;      \
     }
 
 /* An 8-bit storage code as the compile-time constant `zcode` in each branch (straight-line decode per

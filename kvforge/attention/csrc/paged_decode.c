@@ -66,56 +66,15 @@ static int dense_rows(const kvf_kv *op, int code, int64_t HKV, int64_t dim) {
     return op->code == code && op->gran == KVF_SCALE_NONE && op->head_bytes == dim * esz && op->row_bytes == HKV * dim * esz;
 }
 
-/* The 8-bit kernels with their storage code (and scores' query mode) fixed: one outlined wrapper per
- * combination the dispatch below uses, each cloned per G (paged_common.h, KVF_OUTLINED, says why). */
-#if defined(KVF_HAVE_AVX512)
-#define KVF_SCORES_Q8_AS(NAME, CODE, KIND)                                                                   \
-    KVF_OUTLINED void NAME(const float *qs, const char *qp, const int16_t *qi, const float *qscale,          \
-                           const kvf_kv *K, const int64_t *slots, int64_t i0, int cnt, int64_t n, int64_t h, \
-                           float *st, const int G) {                                                         \
-        scores_q8(qs, qp, qi, qscale, K, slots, i0, cnt, n, h, st, G, CODE, KIND);                           \
-    }
-#define KVF_VALUES_Q8_AS(NAME, CODE)                                                                         \
-    KVF_OUTLINED void NAME(const float *e, const float *inv, const kvf_kv *V, const int64_t *slots,          \
-                           int64_t i0, int cnt, int64_t n, int64_t h, const float *fac, float *acc_mem,      \
-                           const int G) {                                                                    \
-        values_q8(e, inv, V, slots, i0, cnt, n, h, fac, acc_mem, G, CODE);                                   \
-    }
-KVF_SCORES_Q8_AS(scores_q8_int8_f32, KVF_INT8, SQ_F32)
-KVF_SCORES_Q8_AS(scores_q8_e4m3_f32, KVF_E4M3, SQ_F32)
-KVF_SCORES_Q8_AS(scores_q8_e5m2_f32, KVF_E5M2, SQ_F32)
-KVF_VALUES_Q8_AS(values_q8_int8, KVF_INT8)
-KVF_VALUES_Q8_AS(values_q8_e4m3, KVF_E4M3)
-KVF_VALUES_Q8_AS(values_q8_e5m2, KVF_E5M2)
+/* The 8-bit kernels (and bf16 V rows) live in paged_decode_q8.c and the AVX2 path in paged_decode_avx2.c,
+ * units of their own that compile beside this one; their headers declare them. */
+#include "paged_decode_avx2.h"
+#include "paged_decode_q8.h"
+
 /* zcode is a constant in each branch of KVF_DISPATCH_Q8 / _FP8, so these choices fold away */
 #define KVF_BY_CODE(PREFIX, SUFFIX) \
     (zcode == KVF_INT8 ? PREFIX##int8##SUFFIX : zcode == KVF_E4M3 ? PREFIX##e4m3##SUFFIX : PREFIX##e5m2##SUFFIX)
-#if defined(__AVX512BF16__)
-KVF_SCORES_Q8_AS(scores_q8_int8_bf16, KVF_INT8, SQ_BF16)
-KVF_SCORES_Q8_AS(scores_q8_e4m3_bf16, KVF_E4M3, SQ_BF16)
-KVF_SCORES_Q8_AS(scores_q8_e5m2_bf16, KVF_E5M2, SQ_BF16)
-#define KVF_VALUES_BF16_AS(NAME, CODE, LUT)                                                                  \
-    KVF_OUTLINED void NAME(const uint16_t *pb, const char *v_cache, const int64_t *slots, int64_t i0, int cnt,\
-                           int64_t n, int64_t npad, size_t v_row, size_t head_off, float *acc_mem, const int G,  \
-                           const float *fac) {                                                               \
-        values_d64_bf16(pb, v_cache, slots, i0, cnt, n, npad, v_row, head_off, acc_mem, G, fac, CODE, LUT); \
-    }
-KVF_VALUES_BF16_AS(values_bf16_rows, 0, 0)
-KVF_VALUES_BF16_AS(values_bf16_int8, KVF_INT8, 0)
-KVF_VALUES_BF16_AS(values_bf16_e4m3, KVF_E4M3, 0)
-KVF_VALUES_BF16_AS(values_bf16_e5m2, KVF_E5M2, 0)
-KVF_VALUES_BF16_AS(values_bf16_e4m3_lut, KVF_E4M3, 1)
-KVF_VALUES_BF16_AS(values_bf16_e5m2_lut, KVF_E5M2, 1)
-#endif
 #define KVF_BY_FP8(PREFIX, SUFFIX) (zcode == KVF_E4M3 ? PREFIX##e4m3##SUFFIX : PREFIX##e5m2##SUFFIX)
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-KVF_SCORES_Q8_AS(scores_q8_int8_i16, KVF_INT8, SQ_I16)
-#endif
-#if defined(KVF_HAVE_FP8_LUT)
-KVF_SCORES_Q8_AS(scores_q8_e4m3_lut, KVF_E4M3, SQ_LUT)
-KVF_SCORES_Q8_AS(scores_q8_e5m2_lut, KVF_E5M2, SQ_LUT)
-#endif
-#endif
 
 int kvf_paged_decode(
     const void *q, const kvf_kv *K, const kvf_kv *V, const int64_t *tables, const int64_t *seq_lens,
@@ -287,16 +246,7 @@ int kvf_paged_decode(
 #endif
             } else if (fast_k) {
 #ifdef KVF_HAVE_AVX2
-                prefetch_rows((const char *)k_cache, slots, 0, n < KVF_AVX2_PREFETCH_ROWS ? n : KVF_AVX2_PREFETCH_ROWS, k_row);
-                for (int64_t i0 = 0; i0 < n; i0 += 16) {
-                    const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
-                    rows_avx2(K, slots, i0, cnt, kv0, heads_per_item, BS, dtype_code, vbuf, vf, n);
-                    for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_SCORES(GC) scores_avx2(qf + j * G * 64, vbuf + j * 16 * 64, vf + j * 16, cnt, n, scores + (j * G) * n + i0, GC)
-                        KVF_DISPATCH_G(G, KVF_SCORES)
-#undef KVF_SCORES
-                    }
-                }
+                kvf_scores_avx2(K, slots, n, kv0, heads_per_item, BS, dtype_code, qf, vbuf, vf, scores, (int)G);
 #endif
             } else {
                 /* Pass 1: scores; each key row is read once for all query heads of its group. */
@@ -410,9 +360,7 @@ int kvf_paged_decode(
                     for (int64_t i0 = 0; i0 < n; i0 += 16) {
                         const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
                         for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC) values_i8_vnni(pi + (j * G) * npad, V, slots, i0, cnt, n, npad, kv0 + j, acci + (j * G) * DV, GC)
-                            KVF_DISPATCH_G(G, KVF_VALUES)
-#undef KVF_VALUES
+kvf_values_i8_vnni(pi + (j * G) * npad, V, slots, i0, cnt, n, npad, kv0 + j, acci + (j * G) * DV, (int)G);
                         }
                         if ((i0 + 16) % VNNI_FLUSH_ROWS == 0 || i0 + 16 >= n) flush_i32(acc, acci, vscale, NH);
                     }
@@ -459,15 +407,7 @@ int kvf_paged_decode(
             } else if (fast_v) {
 #ifdef KVF_HAVE_AVX2
                 memset(acc, 0, sizeof(float) * NH * DV);
-                for (int64_t i0 = 0; i0 < n; i0 += 16) {
-                    const int cnt = n - i0 < 16 ? (int)(n - i0) : 16;
-                    rows_avx2(V, slots, i0, cnt, kv0, heads_per_item, BS, dtype_code, vbuf, vf, n);
-                    for (int64_t j = 0; j < heads_per_item; j++) {
-#define KVF_VALUES(GC) values_avx2(scores + (j * G) * n + i0, vbuf + j * 16 * 64, vf + j * 16, cnt, n, acc + (j * G) * DV, GC)
-                        KVF_DISPATCH_G(G, KVF_VALUES)
-#undef KVF_VALUES
-                    }
-                }
+                kvf_values_avx2(V, slots, n, kv0, heads_per_item, BS, dtype_code, scores, vbuf, vf, acc, (int)G);
 #endif
             } else {
                 /* Pass 2: weighted sum of V; each value row is read once for all query heads of its group. */
