@@ -7,9 +7,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-# dtype="auto" would pick bf16 on CPUs with native bf16; the parity tests compare in fp32 whatever the
-# CPU, so the suite (and the CLIs it starts) keep fp32 unless a test asks otherwise.
-os.environ.setdefault("KVFORGE_AUTO_BF16", "0")
+# The suite runs the defaults users get: dtype="auto" is bf16 on CPUs with native bf16. Tests that hold
+# kvforge to transformers in fp32 name dtype="float32".
 
 from tiny_models import build_tiny_model  # noqa: E402
 

@@ -262,3 +262,45 @@ def test_kernels_for_other_cpus_build_and_match_the_reference(kernel_cache, flag
     env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(kernel_cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_library_for_one_group_serves_every_group(monkeypatch):
+    """An engine's library has vector clones for its model's G alone (KVF_G_MASK): G = 3 takes them, and
+    every other G the portable loops, decode giving the reference's results either way (a second model in
+    the process is slower until its own library builds, never wrong); prefill is offered for G = 3 only."""
+    from kvforge.attention.torch_ref import prefill_attention
+
+    narrow = cpu_kernel.group_library(3)
+    assert "-DKVF_G_MASK=0x4" in narrow.extra_flags and narrow is cpu_kernel.group_library(3)
+    assert "-DKVF_G_MASK" not in " ".join(cpu_kernel.LIBRARY.extra_flags)  # the full build: every G
+    assert narrow.load() is not None, narrow.error
+    monkeypatch.setattr(cpu_kernel, "LIBRARY", narrow)  # every call below goes to the narrow build
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, kv_heads in [(9, 3), (8, 4), (4, 4), (16, 2), (12, 1)]:
+            q, cache, meta = _decode_batch(dtype, heads, kv_heads, 64, 64, 16, lens=[1, 17, 100, 333])
+            ref = decode_attention(q, cache, meta, 0.125)
+            out = cpu_kernel.paged_decode(q, cache.k, cache.v, meta.decode_block_tables, meta.decode_seq_lens, 0.125)
+            torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+        if HAS_AVX512:
+            for heads, kv_heads in [(9, 3), (8, 4)]:
+                q, cache, chunks = _prefill_batch(dtype, heads, kv_heads, 16, [(0, 40), (7, 30)])
+                assert cpu_kernel.prefill_supported(q, cache.k, cache.v) == (heads // kv_heads == 3)
+                if heads // kv_heads == 3:
+                    idx = cpu_kernel.prefill_indices(chunks, q.shape[0], cache.num_blocks, 16)
+                    out = torch.full_like(q, float("nan"))
+                    cpu_kernel.paged_prefill(q, cache.k, cache.v, idx, 0.125, None, None, out)
+                    ref = torch.cat([prefill_attention(q, cache, c, 0.125, None, None) for c in chunks])
+                    tol = {torch.float32: 1e-5, torch.bfloat16: 4e-2}[dtype]  # fp32: summation order only
+                    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_the_engine_asks_for_its_models_group():
+    from kvforge.engine.engine import attention_group
+
+    assert attention_group({"num_attention_heads": 9, "num_key_value_heads": 3}) == 3
+    assert attention_group({"num_attention_heads": 8}) == 1  # no KV head count: MHA
+    assert attention_group({"text_config": {"num_attention_heads": 8, "num_key_value_heads": 2}}) == 4
+    assert attention_group({"num_attention_heads": 16, "num_key_value_heads": 16, "kv_lora_rank": 512}) == 16
+    assert attention_group({}) is None
+    assert cpu_kernel.group_mask(3) == 0b100 and cpu_kernel.group_mask(16) == 0 and cpu_kernel.group_mask(None) == 0xFF

@@ -187,7 +187,8 @@ def test_quantized_engine_greedy_is_unchanged_by_the_kernel(tiny_model_factory):
                    {"k_cache_dtype": "auto", "v_cache_dtype": "fp8"}):
         outs = {}
         for backend in ("cpu", "torch"):
-            llm = LLM(model=path, log_ledger=False, num_kv_blocks=64, attention_backend=backend, **kwargs)
+            llm = LLM(model=path, dtype="float32", log_ledger=False, num_kv_blocks=64, attention_backend=backend,
+                      **kwargs)
             assert isinstance(llm.engine.runner.caches[0], QuantizedKVCache)
             outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts,
                                                                            sampling_params=params)]

@@ -18,7 +18,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model=None, num_kv_blocks=64, max_model_len=512, log_ledger=False)
+    return LLM(model=None, dtype="float32", num_kv_blocks=64, max_model_len=512, log_ledger=False)
 
 
 def test_default_model_greedy_matches_transformers_gguf(llm, reference_model):

@@ -28,6 +28,7 @@ def _reference(hf_model) -> list[list[int]]:
 
 def _llm(path: str, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 128)
+    kwargs.setdefault("dtype", "float32")  # the transformers parity is in fp32 (auto: bf16 on bf16 CPUs)
     return LLM(model=path, log_ledger=False, **kwargs)
 
 

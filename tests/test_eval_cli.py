@@ -31,7 +31,7 @@ def test_json_rows_reference_first_with_ledger_capacity(model_path, capsys):
     assert (ref["k_dtype"], ref["v_dtype"], ref["scale"]) == ("float32", "float32", None)
     assert ref["kl"] == 0.0 and ref["step_agreement"] == 1.0 and ref["same_prefix"] == 1.0
     assert (rows[3]["k_dtype"], rows[3]["v_dtype"], rows[3]["scale"]) == ("float32", "int4", "token")
-    llm = LLM(model=model_path, log_ledger=False, num_kv_blocks=16)
+    llm = LLM(model=model_path, log_ledger=False, num_kv_blocks=16, dtype="float32")  # as the eval runs
     shape = llm.engine.model_config.kv_shape()
     for r in rows:
         fmt = KVCacheFormat(r["k_dtype"], r["v_dtype"], r["scale"])

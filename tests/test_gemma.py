@@ -42,7 +42,7 @@ def _tokens(outs) -> list[list[int]]:
 
 def test_greedy_batch_and_logits_match_transformers(gemma):
     path, ref, hf = gemma
-    llm = LLM(model=path, log_ledger=False, num_kv_blocks=64, block_size=4)
+    llm = LLM(model=path, log_ledger=False, dtype="float32", num_kv_blocks=64, block_size=4)
     cfg = llm.engine.model_config
     assert None in cfg.sliding_windows and any(cfg.sliding_windows)  # hybrid local/global
     assert llm.engine.kv.groups[0].window is None  # global layers still read every block
@@ -64,7 +64,7 @@ def test_greedy_batch_and_logits_match_transformers(gemma):
 )
 def test_scheduling_paths_match_transformers(gemma, engine_kwargs):
     path, ref, _ = gemma
-    llm = LLM(model=path, log_ledger=False, **{"num_kv_blocks": 64, **engine_kwargs})
+    llm = LLM(model=path, log_ledger=False, **{"num_kv_blocks": 64, "dtype": "float32", **engine_kwargs})
     assert _tokens(llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)) == ref
     if "block_size" in engine_kwargs:
         assert llm.engine.scheduler.num_preemptions > 0

@@ -161,7 +161,7 @@ def test_config_matches_hf(converted):
 
 def test_greedy_and_logits_match_transformers(converted):
     _, _, gguf, hf = converted
-    llm = LLM(model=gguf, log_ledger=False, num_kv_blocks=64, block_size=4)
+    llm = LLM(model=gguf, log_ledger=False, dtype="float32", num_kv_blocks=64, block_size=4)
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, NEW) for p in PROMPTS]
     with torch.no_grad():

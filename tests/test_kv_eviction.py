@@ -25,6 +25,7 @@ POLICIES = ["streaming", "h2o", "snapkv"]
 
 
 def _llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "float32")  # the transformers parity is in fp32 (auto: bf16 on bf16 CPUs)
     kwargs.setdefault("num_kv_blocks", 120)
     kwargs.setdefault("block_size", BS)
     return LLM(model=path, log_ledger=False, **kwargs)

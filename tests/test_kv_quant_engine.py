@@ -27,6 +27,7 @@ LONG = torch.randint(0, 256, (200,), generator=_g).tolist()
 
 
 def _llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "float32")  # the transformers parity is in fp32 (auto: bf16 on bf16 CPUs)
     kwargs.setdefault("num_kv_blocks", 96)
     return LLM(model=path, log_ledger=False, **kwargs)
 

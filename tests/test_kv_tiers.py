@@ -126,6 +126,7 @@ def test_disk_size_bound_evicts_least_recently_used(tmp_path):
 
 
 def _llm(path, **kw):
+    kw.setdefault("dtype", "float32")  # the transformers parity is in fp32 (auto: bf16 on bf16 CPUs)
     kw.setdefault("block_size", 4)
     kw.setdefault("num_kv_blocks", 12)  # a request needs 8: the pool keeps little between requests
     return LLM(model=path, log_ledger=False, **kw)
@@ -204,7 +205,7 @@ def test_restart_serves_prefixes_from_disk_but_not_other_models_or_salts(tiny_mo
 
 def test_ledger_shows_tiers(tiny_model_factory, tmp_path, capsys):
     path, _ = tiny_model_factory("llama_gqa")
-    LLM(model=path, block_size=4, num_kv_blocks=20, kv_offload_memory="64KiB", kv_disk_cache=str(tmp_path),
+    LLM(model=path, dtype="float32", block_size=4, num_kv_blocks=20, kv_offload_memory="64KiB", kv_disk_cache=str(tmp_path),
         kv_disk_size="1MiB")
     err = capsys.readouterr().err
     assert "kv host tier        64.00 KiB = 32 blocks = 128 tokens" in err

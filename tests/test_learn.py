@@ -33,12 +33,12 @@ def test_minimal_cache_grows_one_row_per_decode_step():
 
 def test_cached_decode_equals_uncached_decode_through_the_engine(tiny_model_factory):
     path, _ = tiny_model_factory("llama_gqa")
-    llm = LLM(model=path, log_ledger=False, enable_prefix_caching=False, num_kv_blocks=64, block_size=4)
+    llm = LLM(model=path, log_ledger=False, dtype="float32", enable_prefix_caching=False, num_kv_blocks=64, block_size=4)
     prompt = [11, 42, 7, 99, 3, 250, 18]
     (out,) = llm.generate(prompt_token_ids=[prompt],
                           sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert generate_without_cache(llm.engine, prompt, 12) == out.outputs[0].token_ids
-    llm_cached = LLM(model=path, log_ledger=False, num_kv_blocks=64, block_size=4)
+    llm_cached = LLM(model=path, log_ledger=False, dtype="float32", num_kv_blocks=64, block_size=4)
     with pytest.raises(ValueError, match="prefix caching off"):
         generate_without_cache(llm_cached.engine, prompt, 1)
 

@@ -55,6 +55,7 @@ def deepseek_v3(tmp_path_factory):
 
 
 def _llm(path: str, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")  # the transformers parity is in fp32 (auto: bf16 on bf16 CPUs)
     kw.setdefault("num_kv_blocks", 96)
     return LLM(model=path, log_ledger=False, **kw)
 

@@ -18,6 +18,7 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=T
 
 
 def _llm(path: str, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "float32")  # the transformers parity is in fp32 (auto: bf16 on bf16 CPUs)
     kwargs.setdefault("num_kv_blocks", 96)
     kwargs.setdefault("block_size", 4)
     return LLM(model=path, log_ledger=False, **kwargs)

@@ -41,7 +41,7 @@ def _check(out, prompt: list[int], ref: torch.Tensor, k: int) -> None:
 @pytest.mark.parametrize("cache_hit", [False, True], ids=["cold", "after-128-token-hit"])
 def test_prompt_logprobs_match_transformers_in_chunks(tiny_model_factory, cache_hit):
     path, hf = tiny_model_factory("llama_gqa")
-    llm = LLM(model=path, log_ledger=False, num_kv_blocks=128, block_size=16, max_num_batched_tokens=64,
+    llm = LLM(model=path, log_ledger=False, dtype="float32", num_kv_blocks=128, block_size=16, max_num_batched_tokens=64,
               enable_prefix_caching=True)
     prompt = _prompt(300)
     if cache_hit:  # the first 128 tokens (8 blocks) become cached
@@ -58,7 +58,7 @@ def test_prompt_logprobs_match_transformers_in_chunks(tiny_model_factory, cache_
 
 def test_prompt_logprobs_only_for_requests_that_ask_and_with_n(tiny_model_factory):
     path, hf = tiny_model_factory("llama_gqa")
-    llm = LLM(model=path, log_ledger=False, num_kv_blocks=64, max_num_batched_tokens=32)
+    llm = LLM(model=path, log_ledger=False, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
     a, b = _prompt(70, 2), _prompt(45, 3)
     outs = llm.generate(prompt_token_ids=[a, b], sampling_params=[
         SamplingParams(max_tokens=3, prompt_logprobs=0, n=2, seed=1), SamplingParams(max_tokens=3)])

@@ -31,7 +31,7 @@ def qwen(request, tmp_path_factory):
 
 def test_greedy_and_logits_match_transformers(qwen):
     family, path, hf = qwen
-    llm = LLM(model=path, log_ledger=False, num_kv_blocks=64, block_size=4, max_num_batched_tokens=32)
+    llm = LLM(model=path, log_ledger=False, dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=32)
     cfg = llm.engine.model_config
     assert cfg.qk_norm and cfg.architecture == {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)  # chunked prefill: budget 32 < 70

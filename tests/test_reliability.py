@@ -55,6 +55,21 @@ def http(server):
         yield c
 
 
+def _eventually(check, what: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    """Poll `check` until it returns something truthy (for events a test cannot subscribe to: a log line, a
+    socket the server has accepted or dropped); a slow machine waits longer, it never decides the outcome."""
+    deadline = time.monotonic() + timeout
+    while not (got := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+    return got
+
+
+def _connections(srv: BackgroundServer) -> int:
+    """Connections uvicorn holds open now (what its connection cap counts)."""
+    return len(srv.server.server_state.connections)
+
+
 def _healthy(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
     r = http.post("/v1/completions", json=OK)
@@ -191,12 +206,15 @@ def test_disconnect_mid_upload_is_one_debug_line(server, http):
     old_level = loggers[0].level
     loggers[0].setLevel(logging.DEBUG)
     try:
+        before = _connections(server)
         for _ in range(20):
             with socket.create_connection((server.host, server.port)) as s:
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Content-Length: 100\r\n\r\n{\"prompt\": \"ab")
                 time.sleep(0.02)
-        time.sleep(0.5)
+        # every upload's connection gone from the server, and its line logged
+        _eventually(lambda: _connections(server) <= before, "the server kept a dropped upload's connection")
+        _eventually(lambda: any("disconnected" in r.getMessage() for r in handler.records), "no disconnect line")
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
@@ -243,13 +261,13 @@ def test_incomplete_body_gets_408_and_slow_head_is_closed(server, http):
 def test_connection_cap_answers_503(server, http):
     socks = [socket.create_connection((server.host, server.port)) for _ in range(LIMITS.max_connections)]  # type: ignore[arg-type]
     try:
-        time.sleep(0.1)
+        _eventually(lambda: _connections(server) >= LIMITS.max_connections, "the server never took the connections")
         r = httpx.post(server.url + "/v1/completions", json=OK, timeout=10)
         assert r.status_code == 503
     finally:
         for s in socks:
             s.close()
-    time.sleep(0.3)
+    _eventually(lambda: _connections(server) < LIMITS.max_connections, "the closed connections stayed open")
     _healthy(http)
 
 
@@ -294,8 +312,8 @@ def test_drain_finishes_short_requests_and_ends_long_streams_cleanly(model_dir):
                 assert time.monotonic() < deadline, "the requests never reached the engine"
                 time.sleep(0.01)
             srv.drain()
-            time.sleep(0.2)
-            health = httpx.get(srv.url + "/health", timeout=5)
+            health = _eventually(lambda: [h for h in [httpx.get(srv.url + "/health", timeout=5)] if h.status_code == 503],
+                                 "/health never said draining")[0]
             refused = httpx.post(srv.url + "/v1/completions", json=OK, timeout=5)
             longs = [f.result(30) for f in futs]
             shorts = short.result(30)

@@ -25,7 +25,7 @@ def hf_and_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(hf_and_dir):
-    srv = start_server(hf_and_dir[1], api_key=KEY, max_num_batched_tokens=32)
+    srv = start_server(hf_and_dir[1], api_key=KEY, max_num_batched_tokens=32, dtype="float32")  # fp32: logprobs vs transformers
     yield srv
     srv.stop()
 

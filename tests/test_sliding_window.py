@@ -35,6 +35,7 @@ def swa(tiny_model_factory, request):
 
 
 def _llm(path: str, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")  # the transformers parity is in fp32 (auto: bf16 on bf16 CPUs)
     kw.setdefault("num_kv_blocks", 64)
     kw.setdefault("block_size", BS)
     return LLM(model=path, log_ledger=False, **kw)

@@ -74,6 +74,8 @@ def test_grouped_codes_with_offsets_match(bits, group):
     qw = _gguf_like(45, 96 + 5, bits, group, seed=bits + group)
     for rows in (1, 3, 4, 6, 1030):
         check(qw, rows, torch.float32, seed=rows, bias=True)
+    for rows in (9, 17, 130):  # bf16 GEMM rows: the codes as bf16, scales per group (odd K: a pad pair)
+        check(qw, rows, torch.bfloat16, seed=rows, bias=True)
 
 
 def test_quantization_error_is_bounded():

@@ -142,9 +142,8 @@ def set_bf16_fma(on: bool) -> None:
     the linear layers multiply bf16 the same way."""
     global _bf16_fma
     _bf16_fma = bool(on)
-    lib = LIBRARY._lib  # applied now if loaded, else when it loads (`_declare`)
-    if lib is not None:
-        lib.kvf_set_bf16_fma(int(_bf16_fma))
+    for lib in loaded_libraries():  # applied now to those loaded, else when one loads (`_declare`)
+        lib._lib.kvf_set_bf16_fma(int(_bf16_fma))
 
 
 def bf16_fma() -> bool:
@@ -156,9 +155,8 @@ def set_prefill_lanes(on: bool) -> None:
     AVX-512 CPUs without AVX512-BF16). Why: so tests run both loops on any AVX-512 CPU; users never need it."""
     global _prefill_lanes
     _prefill_lanes = bool(on)
-    lib = LIBRARY._lib  # applied now if loaded, else when it loads (`_declare`)
-    if lib is not None:
-        lib.kvf_set_prefill_lanes(int(_prefill_lanes))
+    for lib in loaded_libraries():  # applied now to those loaded, else when one loads (`_declare`)
+        lib._lib.kvf_set_prefill_lanes(int(_prefill_lanes))
 
 
 def prefill_lanes() -> bool:
@@ -176,15 +174,15 @@ def set_bf16_amx(on: bool) -> bool:
     attention off the tiles too."""
     global _bf16_amx, _bf16_amx_on
     _bf16_amx = bool(on)
-    lib = LIBRARY._lib  # applied now if loaded, else when it loads (`_declare`)
-    if lib is not None:
-        _bf16_amx_on = bool(lib.kvf_set_bf16_amx(int(_bf16_amx)))
-    return _bf16_amx_on if lib is not None else False
+    loaded = loaded_libraries()  # applied now to those loaded, else when one loads (`_declare`)
+    for lib in loaded:
+        _bf16_amx_on = bool(lib._lib.kvf_set_bf16_amx(int(_bf16_amx)))
+    return _bf16_amx_on if loaded else False
 
 
 def bf16_amx() -> bool:
     """Whether bf16 prefill attention runs on AMX tiles (asked for, and possible here)."""
-    LIBRARY.load()  # applies the request if this is the first use
+    _load()  # applies the request if this is the first use
     return _bf16_amx_on
 
 
@@ -193,40 +191,119 @@ def bf16_amx() -> bool:
 # compiles in ~17 s of CPU instead of ~64 s with every variant inlined into one function.
 IPA_CP_CLONES = ("--param=ipa-cp-eval-threshold=1", "--param=ipa-cp-unit-growth=100000",
                  "--param=ipa-cp-large-unit-insns=10000000")
-LIBRARY = NativeLibrary(SOURCES, "KVFORGE_CPU_KERNEL", "the CPU attention kernels", _declare, IPA_CP_CLONES)
+ALL_GROUPS = 0xFF  # KVF_G_MASK: bit G-1 gives G query heads per KV head its vector clones
 
 
-def _load() -> ctypes.CDLL | None:
-    return LIBRARY.load()
+def group_mask(group: int | None) -> int:
+    """KVF_G_MASK for a library serving `group` query heads per KV head (None: every G, 1..8). Groups
+    above 8 have no clones (the portable loops serve them), so their library compiles none."""
+    if group is None:
+        return ALL_GROUPS
+    return 1 << (group - 1) if 1 <= group <= 8 else 0
 
 
-def available() -> bool:
-    return _load() is not None
+def _new_library(mask: int) -> NativeLibrary:
+    what = "the CPU attention kernels" + ("" if mask == ALL_GROUPS else
+                                          f" for {mask.bit_length()} query heads per KV head" if mask
+                                          else " for groups above 8 query heads per KV head")
+    flags = IPA_CP_CLONES + (() if mask == ALL_GROUPS else (f"-DKVF_G_MASK={mask:#x}",))
+    return NativeLibrary(SOURCES, "KVFORGE_CPU_KERNEL", what, _declare, flags)
 
 
-def unavailable_reason() -> str | None:
-    _load()
-    return LIBRARY.error
+# The full library (every G; kernel tests and benchmarks) and the narrow ones engines build, by mask.
+LIBRARY = _new_library(ALL_GROUPS)
+_LIBRARIES: dict[int, NativeLibrary] = {}
+
+
+def _covering(group: int | None) -> ctypes.CDLL | None:
+    """A loaded library that has `group`'s clones (any loaded one for None), or None."""
+    if LIBRARY._lib is not None:  # first: a benchmark may swap another build in here
+        return LIBRARY._lib
+    need = 0 if group is None else group_mask(group)
+    for mask, lib in list(_LIBRARIES.items()):
+        if lib._lib is not None and mask & need == need:
+            return lib._lib
+    return None
+
+
+def group_library(group: int) -> NativeLibrary:
+    """The library with vector clones for `group` query heads per KV head alone (one object per mask)."""
+    mask = group_mask(group)
+    if mask not in _LIBRARIES:
+        _LIBRARIES[mask] = _new_library(mask)
+    return _LIBRARIES[mask]
+
+
+def library_for(group: int | None) -> NativeLibrary:
+    """The library an engine whose model has `group` query heads per KV head loads: one already loaded
+    that covers the group, else the group's own (`group_library`, built on first use or by `prebuild`).
+
+    Why: the vector paths are cloned per G, and the eight clones are most of the CPU the first-run
+    compile takes; one model needs one of them. Another G in the same process builds its own library on
+    first use, and a narrow library gives every G correct results (the portable loops)."""
+    if group is None or LIBRARY._lib is not None:
+        return LIBRARY
+    mask = group_mask(group)
+    for m, lib in list(_LIBRARIES.items()):
+        if lib._lib is not None and m & mask == mask:
+            return lib
+    return group_library(group)
+
+
+def loaded_libraries() -> list[NativeLibrary]:
+    return [lib for lib in (LIBRARY, *_LIBRARIES.values()) if lib._lib is not None]
+
+
+def _load(group: int | None = None) -> ctypes.CDLL | None:
+    """The library for `group` (see `library_for`); None asks for any: a loaded one, else one an engine
+    has asked for, else the full build."""
+    lib = _covering(group)
+    if lib is not None:
+        return lib
+    if group is None:
+        return (next(iter(_LIBRARIES.values())) if _LIBRARIES else LIBRARY).load()
+    return library_for(group).load()
+
+
+def load_library(group: int | None = None) -> ctypes.CDLL | None:
+    """The loaded library `paged_decode` would call for `group` (the fused decode layers call it too)."""
+    return _load(group)
+
+
+def _error(group: int | None = None) -> str | None:
+    lib = library_for(group) if group is not None else (next(iter(_LIBRARIES.values())) if _LIBRARIES else LIBRARY)
+    return lib.error
+
+
+def available(group: int | None = None) -> bool:
+    return _load(group) is not None
+
+
+def unavailable_reason(group: int | None = None) -> str | None:
+    _load(group)
+    return _error(group)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """True when the kernels can serve these dense tensors (CPU, one dtype for q and cache, contiguous)."""
     return (
         q.device.type == "cpu" and q.dtype in DTYPE_CODES and k_cache.dtype == q.dtype == v_cache.dtype
-        and k_cache.is_contiguous() and v_cache.is_contiguous() and available()
+        and k_cache.is_contiguous() and v_cache.is_contiguous()
+        and available(q.shape[1] // k_cache.shape[2] if q.dim() == 3 and k_cache.dim() == 4 and k_cache.shape[2] else None)
     )
 
 
 def supports_views(q: torch.Tensor, k: PoolView | None, v: PoolView | None) -> bool:
     """True when the decode kernel can read these views for q (any storage format, CPU, same pool shape)."""
     return (k is not None and v is not None and q.device.type == "cpu" and q.dtype in DTYPE_CODES
-            and k.data.shape[:2] == v.data.shape[:2] and k.heads == v.heads and available())
+            and k.data.shape[:2] == v.data.shape[:2] and k.heads == v.heads
+            and available(q.shape[1] // k.heads if q.dim() == 3 and k.heads else None))
 
 
 def dequantize_row(view: PoolView, slot: int, head: int, compute: torch.dtype) -> torch.Tensor:
     """Row `slot`, head `head` of a view decoded exactly as the kernel decodes it (fp32 result; for tests)."""
     lib = _load()
-    assert lib is not None, LIBRARY.error
+    assert lib is not None, _error()
     out = torch.empty(view.dim, dtype=torch.float32)
     st = view.struct()
     lib.kvf_dequant_row(ctypes.byref(st), slot, head, view.dim, view.block_size, DTYPE_CODES[compute], out.data_ptr())
@@ -259,13 +336,13 @@ def paged_decode(
     """q [B, H, D], caches [NB, BS, Hkv, D|Dv] (dense tensors, or `PoolView`s of any stored format),
     tables [B, nb], seq_lens [B] (or checked `DecodeIndices` and None) -> [B, H, Dv] in q's dtype,
     written into `out` (contiguous) when given."""
-    lib = _load()
-    assert lib is not None, LIBRARY.error
     k, v = as_view(k_cache), as_view(v_cache)
     b, h, d = q.shape
     hkv, dv = k.heads, v.dim
     if h % hkv:
         raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({hkv})")
+    lib = _load(h // hkv)
+    assert lib is not None, _error(h // hkv)
     if d != k.dim:
         raise ValueError(f"query head size ({d}) differs from the key head size ({k.dim})")
     q = q.contiguous()
@@ -319,13 +396,15 @@ def prefill_supported(q: torch.Tensor, k_cache: torch.Tensor | PoolView | None,
                       v_cache: torch.Tensor | PoolView | None) -> bool:
     """The prefill kernel's reach: head size 64, at most 8 query heads per KV head, fp32/bf16 compute,
     AVX-512; K/V dense tensors of q's dtype, or views of any storage format (`store_view`)."""
-    lib = _load()
-    if lib is None or q.dim() != 3 or k_cache is None or v_cache is None:
+    if q.dim() != 3 or k_cache is None or v_cache is None:
         return False
     if any(isinstance(t, torch.Tensor) and not supports(q, t, t) for t in (k_cache, v_cache)):
         return False  # raw tensors: q's dtype, contiguous
     k, v = as_view(k_cache), as_view(v_cache)
-    return (supports_views(q, k, v) and k.dim == q.shape[2]
+    if k.heads < 1 or q.shape[1] % k.heads:
+        return False
+    lib = _load(q.shape[1] // k.heads)
+    return (lib is not None and supports_views(q, k, v) and k.dim == q.shape[2]
             and bool(lib.kvf_paged_prefill_supported(q.shape[1], k.heads, k.dim, v.dim, DTYPE_CODES[q.dtype])))
 
 
@@ -336,9 +415,9 @@ def paged_prefill(
     """Attention of every prefill chunk's rows of q [T, H, 64] (causal over cached prefix + chunk),
     written into the same rows of `out` [T, H, 64]; needs `prefill_supported`. Compressed K/V (views)
     are decoded in the kernel's block loop, as the decode kernel's portable loops decode them."""
-    lib = _load()
-    assert lib is not None and prefill_supported(q, k_cache, v_cache)
+    assert prefill_supported(q, k_cache, v_cache)
     k, v = as_view(k_cache), as_view(v_cache)
+    lib = _load(q.shape[1] // k.heads)
     q = q.contiguous()
     assert out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
     ks, vs = k.struct(), v.struct()

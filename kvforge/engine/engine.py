@@ -79,7 +79,7 @@ class LLMEngine:
             check_backend_device(opts.attention_backend, self.device.type)  # e.g. triton on CPU, no interpreter
             dtype, self.dtype_reason = resolve_dtype(opts.dtype, self.device, checkpoint.hf_config, checkpoint.weights)
             if self.device.type == "cpu":  # first run: the C kernels compile while the weights load
-                prebuild_cpu_kernels(dtype, opts.quantization)
+                prebuild_cpu_kernels(dtype, opts.quantization, attention_group(checkpoint.hf_config))
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
             opts = config.model_options
             self.executor = None
@@ -414,19 +414,31 @@ class LLMEngine:
         self.kv.check_integrity()
 
 
-def prebuild_cpu_kernels(dtype: str, quantization: str | None) -> None:
+def attention_group(hf_config: dict) -> int | None:
+    """Query heads per KV head as the CPU attention kernels will see them (MLA: every head on its one
+    latent row), or None when the config does not say."""
+    cfg = hf_config.get("text_config") or hf_config
+    heads = cfg.get("num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        return None
+    kv_heads = 1 if cfg.get("kv_lora_rank") else cfg.get("num_key_value_heads") or heads
+    return heads // kv_heads if isinstance(kv_heads, int) and kv_heads >= 1 and heads % kv_heads == 0 else None
+
+
+def prebuild_cpu_kernels(dtype: str, quantization: str | None, group: int | None = None) -> None:
     """Compile the C kernels a CPU model of `dtype` (a torch dtype's name) and weight `quantization` runs (kvforge/native) side by
     side, in the background.
 
     Only those: on a 2-core machine every library compiled now delays the ones the first step waits on, so
-    the fp32 panel kernel is left out of a bf16 run and the int8/int4 linear kernel out of an unquantized one
-    (each still builds on its first use, should a later engine in the process need it)."""
+    the fp32 panel kernel is left out of a bf16 run, the int8/int4 linear kernel out of an unquantized one,
+    and the attention kernels are cloned for the model's `group` (query heads per KV head) alone (each
+    other piece still builds on its first use, should a later engine in the process need it)."""
     from kvforge.attention import cpu_kernel
     from kvforge.kv import quant_kernel
     from kvforge.models import decode_layers, fused, panel_linear, quant_linear
     from kvforge.native import prebuild
 
-    libraries = [cpu_kernel.LIBRARY, fused.LIBRARY, decode_layers.LIBRARY, quant_kernel.LIBRARY]
+    libraries = [cpu_kernel.library_for(group), fused.LIBRARY, decode_layers.LIBRARY, quant_kernel.LIBRARY]
     if quantization:
         libraries.append(quant_linear.LIBRARY)
     if dtype in ("float32", "bfloat16"):

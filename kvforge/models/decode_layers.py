@@ -135,7 +135,7 @@ class _Plan:
         self.num_blocks = self.block_size = 0
         # the quantized weights as `kvf_qdesc`s, one per matmul (the QuantWeights keep their tensors alive)
         self.qdescs = [[_qdesc(m.quant_weight) for m in ls] for ls in self.linears] if self.quant else []
-        self.fns = _fns(dtype, self.quant)
+        self.fns = _fns(dtype, self.quant, self.heads // self.kv_heads if self.heads % self.kv_heads == 0 else None)
 
 
 def _qdesc(qw) -> _QDesc:  # type: ignore[no-untyped-def]
@@ -147,11 +147,12 @@ def _enabled() -> bool:
     return bool(envs.KVFORGE_FUSED_LAYERS)
 
 
-def _fns(dtype: torch.dtype, quant: bool = False) -> _Fns | None:
-    """The kernels' entry points: the panel linear of `dtype`, or with `quant` the int8 / int4 one."""
+def _fns(dtype: torch.dtype, quant: bool = False, group: int | None = None) -> _Fns | None:
+    """The kernels' entry points: the panel linear of `dtype`, or with `quant` the int8 / int4 one, and
+    the attention library for `group` query heads per KV head."""
     lin = (quant_linear.LIBRARY.load() if quant else panel_linear.LIBRARY.load() if dtype == torch.float32
            else panel_linear.LIBRARY_BF16.load())
-    ops, dec = fused.LIBRARY.load(), cpu_kernel.LIBRARY.load()
+    ops, dec = fused.LIBRARY.load(), cpu_kernel.load_library(group)
     if lin is None or ops is None or dec is None:
         return None
     qnt = quant_kernel.LIBRARY.load()  # optional: without it, 8-bit caches keep the Python layers

@@ -893,31 +893,83 @@ static inline void unpermute_lut_d64(float *a) {
 
 #endif
 
-/* G (1..8) as a compile-time constant: the per-head loops of the vector paths unroll. */
+/* Which group sizes G (query heads per KV head, 1..8) get vector clones: bit G-1 of KVF_G_MASK. The
+ * default is all eight (the kernel tests and benchmarks); the library an engine builds for its model
+ * sets only that model's G (cpu_kernel.library_for), which compiles about a third of the code. A G
+ * outside the mask takes the portable loops: the same results, only slower. */
+#ifndef KVF_G_MASK
+#define KVF_G_MASK 0xFF
+#endif
+#define KVF_HAS_G(G) ((G) >= 1 && (G) <= 8 && ((KVF_G_MASK >> ((G) - 1)) & 1))
+#if KVF_G_MASK & 0x01
+#define KVF_IF_G1(...) __VA_ARGS__
+#else
+#define KVF_IF_G1(...)
+#endif
+#if KVF_G_MASK & 0x02
+#define KVF_IF_G2(...) __VA_ARGS__
+#else
+#define KVF_IF_G2(...)
+#endif
+#if KVF_G_MASK & 0x04
+#define KVF_IF_G3(...) __VA_ARGS__
+#else
+#define KVF_IF_G3(...)
+#endif
+#if KVF_G_MASK & 0x08
+#define KVF_IF_G4(...) __VA_ARGS__
+#else
+#define KVF_IF_G4(...)
+#endif
+#if KVF_G_MASK & 0x10
+#define KVF_IF_G5(...) __VA_ARGS__
+#else
+#define KVF_IF_G5(...)
+#endif
+#if KVF_G_MASK & 0x20
+#define KVF_IF_G6(...) __VA_ARGS__
+#else
+#define KVF_IF_G6(...)
+#endif
+#if KVF_G_MASK & 0x40
+#define KVF_IF_G7(...) __VA_ARGS__
+#else
+#define KVF_IF_G7(...)
+#endif
+#if KVF_G_MASK & 0x80
+#define KVF_IF_G8(...) __VA_ARGS__
+#else
+#define KVF_IF_G8(...)
+#endif
+
+/* G (1..8; callers check KVF_HAS_G) as a compile-time constant: the per-head loops of the vector
+ * paths unroll. */
 #define KVF_DISPATCH_G(G, CALL) \
-    switch (G) {                \
-    case 1: CALL(1); break;     \
-    case 2: CALL(2); break;     \
-    case 3: CALL(3); break;     \
-    case 4: CALL(4); break;     \
-    case 5: CALL(5); break;     \
-    case 6: CALL(6); break;     \
-    case 7: CALL(7); break;     \
-    default: CALL(8); break;    \
+    switch (G) { \
+    KVF_IF_G1(case 1: CALL(1); break;)  \
+    KVF_IF_G2(case 2: CALL(2); break;)  \
+    KVF_IF_G3(case 3: CALL(3); break;)  \
+    KVF_IF_G4(case 4: CALL(4); break;)  \
+    KVF_IF_G5(case 5: CALL(5); break;)  \
+    KVF_IF_G6(case 6: CALL(6); break;)  \
+    KVF_IF_G7(case 7: CALL(7); break;)  \
+    KVF_IF_G8(case 8: CALL(8); break;)  \
+    default: break; \
     }
 
-/* FN(args..., G) with G (a variable in scope) as a constant 1..8 in each case: how an entry point of one
+/* FN(args..., G) with G (a variable in scope) as a constant in each case: how an entry point of one
  * unit reaches the per-G clones gcc makes of a static outlined kernel (KVF_OUTLINED). */
-#define KVF_SWITCH_G(FN, ...)                \
-    switch (G) {                             \
-    case 1: FN(__VA_ARGS__, 1); break;       \
-    case 2: FN(__VA_ARGS__, 2); break;       \
-    case 3: FN(__VA_ARGS__, 3); break;       \
-    case 4: FN(__VA_ARGS__, 4); break;       \
-    case 5: FN(__VA_ARGS__, 5); break;       \
-    case 6: FN(__VA_ARGS__, 6); break;       \
-    case 7: FN(__VA_ARGS__, 7); break;       \
-    default: FN(__VA_ARGS__, 8); break;      \
+#define KVF_SWITCH_G(FN, ...) \
+    switch (G) { \
+    KVF_IF_G1(case 1: FN(__VA_ARGS__, 1); break;)  \
+    KVF_IF_G2(case 2: FN(__VA_ARGS__, 2); break;)  \
+    KVF_IF_G3(case 3: FN(__VA_ARGS__, 3); break;)  \
+    KVF_IF_G4(case 4: FN(__VA_ARGS__, 4); break;)  \
+    KVF_IF_G5(case 5: FN(__VA_ARGS__, 5); break;)  \
+    KVF_IF_G6(case 6: FN(__VA_ARGS__, 6); break;)  \
+    KVF_IF_G7(case 7: FN(__VA_ARGS__, 7); break;)  \
+    KVF_IF_G8(case 8: FN(__VA_ARGS__, 8); break;)  \
+    default: break; \
     }
 
 /* An 8-bit storage code as the compile-time constant `zcode` in each branch (straight-line decode per

@@ -144,17 +144,17 @@ int kvf_paged_decode(
 
             /* Head size 64 with up to 8 query heads per KV head, fp32 or bf16: the AVX-512 path. */
 #ifdef KVF_HAVE_AVX512
-            const int fast = dense && D == 64 && DV == 64 && G <= 8 && dtype_code != 2;
+            const int fast = dense && D == 64 && DV == 64 && KVF_HAS_G(G) && dtype_code != 2;
             /* 8-bit rows with one scale per row: the AVX-512 8-bit path, K and V each on its own */
-            const int zk = !fast && D == 64 && DV == 64 && G <= 8 && q8_reads(K, dtype_code);
-            const int zv = !fast && D == 64 && DV == 64 && G <= 8 && q8_reads(V, dtype_code);
+            const int zk = !fast && D == 64 && DV == 64 && KVF_HAS_G(G) && q8_reads(K, dtype_code);
+            const int zv = !fast && D == 64 && DV == 64 && KVF_HAS_G(G) && q8_reads(V, dtype_code);
 #else
             const int fast = 0, zk = 0, zv = 0;
 #endif
             /* What AVX-512 does not take (everything without it; compressed operands with it), AVX2
              * does at head size 64, K and V each as its storage allows. */
 #ifdef KVF_HAVE_AVX2
-            const int avx2 = !fast && D == 64 && DV == 64 && G <= 8;
+            const int avx2 = !fast && D == 64 && DV == 64 && KVF_HAS_G(G);
             const int fast_k = avx2 && !zk && avx2_reads(K, dtype_code), fast_v = avx2 && !zv && avx2_reads(V, dtype_code);
 #else
             const int fast_k = 0, fast_v = 0;

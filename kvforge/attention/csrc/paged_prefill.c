@@ -823,7 +823,7 @@ int kvf_set_bf16_amx(int on) {
 
 int kvf_paged_prefill_supported(int64_t H, int64_t HKV, int64_t D, int64_t DV, int dtype_code) {
 #ifdef KVF_HAVE_AVX512
-    return D == 64 && DV == 64 && HKV > 0 && H % HKV == 0 && H / HKV <= 8 && (dtype_code == 0 || dtype_code == 1);
+    return D == 64 && DV == 64 && HKV > 0 && H % HKV == 0 && KVF_HAS_G(H / HKV) && (dtype_code == 0 || dtype_code == 1);
 #else
     (void)H, (void)HKV, (void)D, (void)DV, (void)dtype_code;
     return 0;
