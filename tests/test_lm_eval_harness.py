@@ -77,7 +77,7 @@ def test_local_completions_matches_hf(tmp_path, monkeypatch):
     (tmp_path / "task" / "kvforge_tiny_mc.yaml").write_text(TASK.format(data=data))
     port = _free_port()
     cmd = [sys.executable, "-m", "kvforge.cli", "serve", "--model", model, "--port", str(port),
-           "--num-kv-blocks", "64", "--max-model-len", "256", "--log-level", "warning"]
+           "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -82,9 +82,11 @@ class StartupReport:
             ("kv cache dtype", self.kv_dtype),
             ("kv bytes per token", f"{format_bytes(self.kv_bytes_per_token)} (all layers)"),
             ("kv block", f"{self.block_size} tokens = {format_bytes(self.kv_bytes_per_block)}"),
-            ("kv cache", f"{self.num_blocks} blocks + 1 null block = {format_bytes(self.kv_cache_bytes)}"
-             if len(self.groups) < 2
-             else f"{len(self.groups)} groups, one pool each (+1 null block each) = {format_bytes(self.kv_cache_bytes)}"),
+            ("kv cache", (f"{self.num_blocks} blocks + 1 null block = {format_bytes(self.kv_cache_bytes)}"
+                          if len(self.groups) < 2 else
+                          f"{len(self.groups)} groups, one pool each (+1 null block each) = "
+                          f"{format_bytes(self.kv_cache_bytes)}")
+             + (" reserved, RAM committed as blocks are written" if self.device.startswith("cpu") else "")),
             *self._group_rows(),
             *((("kv sizing", self.kv_sizing),) if self.kv_sizing else ()),
             ("kv capacity", f"{self.token_capacity} tokens"),

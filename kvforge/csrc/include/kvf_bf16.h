@@ -33,4 +33,18 @@ static inline __attribute__((always_inline)) uint16_t f32_to_bf16(float f) {
 /* fp32 rounded to bf16 and back: the value a bf16 tensor holds for `f`. */
 static inline __attribute__((always_inline)) float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 fp32 lanes to 16 bf16, rounded as f32_to_bf16 rounds (a kernel's bf16 output rows). */
+static inline __attribute__((always_inline)) __m256i f32x16_to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 #endif

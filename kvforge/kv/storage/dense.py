@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.storage.layer_cache import GatherWorkspace, gather_blocks
+from kvforge.kv.storage.pool_memory import zeroed_pool
 
 
 class DenseKVCache:
@@ -20,8 +21,8 @@ class DenseKVCache:
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.workspace = workspace
-        self.k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_blocks, block_size, num_kv_heads, v_head_dim, dtype=dtype, device=device)
+        self.k = zeroed_pool((num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
+        self.v = zeroed_pool((num_blocks, block_size, num_kv_heads, v_head_dim), dtype, device)
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k.view(-1, *self.k.shape[2:]).index_copy_(0, slot_mapping, k.to(self.k.dtype))

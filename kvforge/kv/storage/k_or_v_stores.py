@@ -39,6 +39,7 @@ from kvforge.kv.quant import (
     quantize,
 )
 from kvforge.kv.storage.layer_cache import gather_blocks
+from kvforge.kv.storage.pool_memory import zeroed_pool
 
 
 def _triton_installed() -> bool:
@@ -50,7 +51,7 @@ class DenseStore:
 
     def __init__(self, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.block_size = block_size
-        self.data = torch.zeros(num_blocks, block_size, heads, dim, dtype=dtype, device=device)
+        self.data = zeroed_pool((num_blocks, block_size, heads, dim), dtype, device)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data]
@@ -78,13 +79,13 @@ class QuantStore:
         if fmt.packed and dim % 2:
             raise ValueError(f"kv_cache_dtype {fmt.name} packs two values per byte and needs an even head_dim, got {dim}")
         self.block_size, self.fmt, self.granularity = block_size, fmt, granularity
-        self.data = torch.zeros(num_blocks, block_size, heads, fmt.stored_dim(dim), dtype=torch.uint8, device=device)
+        self.data = zeroed_pool((num_blocks, block_size, heads, fmt.stored_dim(dim)), torch.uint8, device)
         shapes = {"token": (num_blocks, block_size), "head": (num_blocks, block_size, heads),
                   "channel": (num_blocks, heads, dim), "tensor": None}
         if granularity not in shapes:
             raise ValueError(f"kv_cache_scale {granularity!r} must be one of {', '.join(shapes)}")
         shape = shapes[granularity]
-        self.scale = None if shape is None else torch.zeros(shape, dtype=torch.float32, device=device)
+        self.scale = None if shape is None else zeroed_pool(shape, torch.float32, device)
         self.static_scale: torch.Tensor | None = None  # "tensor" granularity only
 
     def tensors(self) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.storage.layer_cache import gather_blocks
+from kvforge.kv.storage.pool_memory import zeroed_pool
 
 
 class LatentKVCache:
@@ -31,7 +32,7 @@ class LatentKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         self.compute_dtype = compute_dtype or dtype  # what attention reads back (the model's dtype)
-        self.latent = torch.zeros(num_blocks, block_size, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+        self.latent = zeroed_pool((num_blocks, block_size, kv_lora_rank + rope_dim), dtype, device)
 
     @property
     def latent_dim(self) -> int:

@@ -121,16 +121,6 @@ static void tile(const uint32_t *x, int64_t ldx, int64_t K2, const uint16_t *w, 
 #define BF16_GEMM_MIN 1
 #endif
 
-static inline __attribute__((always_inline)) __m256i round_bf16x16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-
 static inline __attribute__((always_inline)) void zero_tile(__m512 acc[GM][GP]) {
 #pragma GCC unroll 8
     for (int r = 0; r < GM; r++)
@@ -163,7 +153,7 @@ static inline __attribute__((always_inline)) void store_tile(__m512 acc[GM][GP],
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
             const __m512 v = bias ? _mm512_add_ps(acc[r][p], b) : acc[r][p];
-            _mm256_mask_storeu_epi16(y + r * N + c0, m, round_bf16x16(v));
+            _mm256_mask_storeu_epi16(y + r * N + c0, m, f32x16_to_bf16(v));
         }
     }
 }
@@ -304,7 +294,7 @@ static inline void amx_store(const float *c, int mr, uint16_t *y, int64_t N, int
     if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + c0)), 16));
     for (int r = 0; r < mr; r++) {
         const __m512 v = _mm512_loadu_ps(c + r * NR);
-        _mm256_mask_storeu_epi16(y + r * N + c0, m, round_bf16x16(bias ? _mm512_add_ps(v, b) : v));
+        _mm256_mask_storeu_epi16(y + r * N + c0, m, f32x16_to_bf16(bias ? _mm512_add_ps(v, b) : v));
     }
 }
 

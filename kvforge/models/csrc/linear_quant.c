@@ -143,6 +143,18 @@ typedef struct {
 INLINE void write_rows(const float *tile, int mr, int np, void *y, int y_bf16, int64_t N, int64_t n0,
                        const float *bias) {
     const int64_t nv = N - n0 < np * NR ? N - n0 : np * NR;
+#if KVF_SIMD == 2
+    if (nv == np * NR) { /* whole panels: 16 columns a vector (a batch's rows are many; scalar rounding showed) */
+        for (int r = 0; r < mr; r++)
+            for (int q = 0; q < np; q++) {
+                __m512 v = _mm512_loadu_ps(tile + (r * np + q) * NR);
+                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n0 + q * NR));
+                if (y_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + r * N + n0 + q * NR), f32x16_to_bf16(v));
+                else _mm512_storeu_ps((float *)y + r * N + n0 + q * NR, v);
+            }
+        return;
+    }
+#endif
     for (int r = 0; r < mr; r++) {
         const float *t = tile + r * np * NR;
         if (y_bf16) {
