@@ -42,6 +42,44 @@ def tiny_model_factory(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def reference_model():
+    """transformers' own GGUF path: its config parsing, dequantization and reverse permutation.
+
+    (`from_pretrained(gguf_file=...)` calls the same `load_gguf_checkpoint`, but needs
+    `accelerate`; building the model from it directly keeps the test dependency-light.)
+    One per session: building it dequantizes the whole file in numpy (~15 s), and the loader and
+    default-model tests share it.
+    """
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kvforge.models.loader import default_model_path
+
+    path = default_model_path()
+    cfg = load_gguf_checkpoint(path)["config"]
+    cfg = {k: v for k, v in cfg.items() if k not in ("model_type", "_model_name_or_path")}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.eval()
+
+
+def cli_in_process(capsys, *args: str) -> tuple[int, str]:
+    """`kvforge ARGS` run by `kvforge.cli.main` in this process: the status `python -m kvforge.cli` exits with
+    and its stderr, without an interpreter and a torch import per call (argparse's own errors exit 2 alike)."""
+    from kvforge.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(list(args))
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    return rc, capsys.readouterr().err
+
+
 def assert_no_leaks(engine) -> None:
     """Every block is back in the pool and the pool's invariants hold."""
     engine.check_integrity()

@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+from conftest import cli_in_process
 from kvforge import LLM, SamplingParams
 
 
@@ -26,9 +27,12 @@ def test_generate_prompt_logprobs_and_logit_bias(tiny_model_factory):
     assert f"log-likelihood {sum(own):.4f}, perplexity {math.exp(-sum(own) / len(own)):.4f}" in proc.stderr
 
 
-def test_generate_bad_logits_flags_exit_2(tiny_model_factory):
+def test_generate_bad_logits_flags_exit_2(tiny_model_factory, capsys):
     path, _ = tiny_model_factory("llama_gqa")
     for flag, value in [("--logit-bias", "7"), ("--logit-bias", "7=500"), ("--presence-penalty", "3"),
                         ("--allowed-token-ids", "a,b"), ("--best-of", "0")]:
-        proc = _run("generate", "x", "--model", path, "--quiet-ledger", "--num-kv-blocks", "32", flag, value)
-        assert proc.returncode == 2 and flag in proc.stderr, (flag, value, proc.stderr)
+        rc, err = cli_in_process(capsys, "generate", "x", "--model", path, "--quiet-ledger", "--num-kv-blocks", "32",
+                              flag, value)
+        assert rc == 2 and flag in err, (flag, value, err)
+    proc = _run("generate", "x", "--model", path, "--quiet-ledger", "--best-of", "0")  # and as a real process
+    assert proc.returncode == 2 and "--best-of" in proc.stderr, proc.stderr

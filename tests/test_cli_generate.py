@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from conftest import cli_in_process
 from kvforge import LLM, SamplingParams
 
 
@@ -34,15 +35,13 @@ def test_generate_batch_and_chat(tiny_model_factory):
     assert proc.stdout.count("\n") == 2  # one streamed reply per turn
 
 
-def test_cli_bad_input_exits_2(tiny_model_factory):
+def test_cli_bad_input_exits_2(tiny_model_factory, capsys):
     path, _ = tiny_model_factory("llama_gqa")
-    proc = _run("generate", "x", "--model", "/nonexistent/model")
+    proc = _run("generate", "x", "--model", "/nonexistent/model")  # a real process's exit status
     assert proc.returncode == 2 and "does not exist" in proc.stderr
-    proc = _run("generate", "x", "--model", path, "--max-tokens", "-3")
-    assert proc.returncode == 2 and "--max-tokens" in proc.stderr
-    proc = _run("generate", "x", "--model", path, "--top-p", "0")
-    assert proc.returncode == 2 and "--top-p" in proc.stderr
-    proc = _run("generate", "--model", path)
-    assert proc.returncode == 2 and "prompt" in proc.stderr
-    proc = _run("generate", "x", "--dtype", "float64")
-    assert proc.returncode == 2
+    for args, named in [(("x", "--model", path, "--max-tokens", "-3"), "--max-tokens"),
+                        (("x", "--model", path, "--top-p", "0"), "--top-p"),
+                        (("--model", path), "prompt"),
+                        (("x", "--dtype", "float64"), "--dtype")]:
+        rc, err = cli_in_process(capsys, "generate", *args)  # the same `main`, without an interpreter per case
+        assert rc == 2 and named in err, (args, err)

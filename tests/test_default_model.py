@@ -11,7 +11,6 @@ import torch
 
 from conftest import assert_no_leaks
 from kvforge import LLM, SamplingParams
-from test_loader import reference_model  # noqa: F401  (module fixture: transformers' own GGUF path)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 

@@ -29,6 +29,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
+@pytest.mark.slow  # six benchmark child processes
 def test_repeats_report_the_median_run_and_skip_a_missing_peer(tiny: str, tmp_path) -> None:
     save = tmp_path / "peers.json"
     proc = run("--workloads", "single", "--dtype", "float32", "--kv", "model", "8bit", "--scale", "0.1",

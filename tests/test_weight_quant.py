@@ -219,6 +219,20 @@ def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     check(qw, 40, torch.float32)
 
 
+@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q4_0, gguf_quant.Q4_1, gguf_quant.Q4_K,
+                                   gguf_quant.Q6_K], ids=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_gguf_float_load_is_the_gguf_dequantizer_bit_for_bit(qtype):
+    """Loading a GGUF in float32 / bfloat16 dequantizes through `gguf_quant.dequantize` (vectorized), which
+    must give the `gguf` package's floats exactly: the parity tests against transformers rest on them."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    n, k = 24, 512
+    raw = _random_blocks(qtype, n, k, seed=100 + qtype)
+    want = torch.from_numpy(np.asarray(gguf_dequantize(raw.reshape(-1), qtype), dtype=np.float32).reshape(n, k))
+    got = gguf_quant.dequantize(raw, qtype, n, k)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_eval_weights_reports_each_format_against_the_reference(tmp_path, capsys):
     """`kvforge eval weights`: one row per format, the reference at +0.00%, int8 close to it and smaller."""
     import json

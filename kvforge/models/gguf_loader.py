@@ -31,6 +31,7 @@ import torch
 
 from kvforge.gguf_tokenizer import field
 from kvforge.models.weight_source import Block, WeightSource, drop_pages, rows_per_block
+from kvforge.models import gguf_quant
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +317,10 @@ def _dequantized(t: Any, r0: int = 0, r1: int | None = None) -> torch.Tensor:
     """Tensor `t` (or its rows [r0, r1)) as float32."""
     from gguf.quants import dequantize
 
-    arr = dequantize(t.data if r0 == 0 and r1 is None else t.data[r0:r1], t.tensor_type)
+    data = t.data if r0 == 0 and r1 is None else t.data[r0:r1]
+    if int(t.tensor_type) in gguf_quant.KEPT_TYPES and len(t.shape) == 2:
+        return gguf_quant.dequantize(data, int(t.tensor_type), len(data), int(t.shape[0]))
+    arr = dequantize(data, t.tensor_type)
     if arr.dtype != np.float32 or not arr.flags.writeable:  # F32 tensors come back as file views
         arr = np.array(arr, dtype=np.float32)
     return torch.from_numpy(arr)
@@ -353,6 +357,7 @@ class GGUFSource(WeightSource):
         self.arch, self.spec = _arch(reader)
         by_name = {t.name: t for t in reader.tensors}
         self.shapes = {}
+        self._yields: dict[str, set[str]] = {}  # GGUF tensor name -> the HF names it becomes
         for t in reader.tensors:
             shape = tuple(reversed([int(d) for d in t.shape]))  # GGUF lists the fastest dimension first
             if t.name in _IGNORED or (t.name.endswith((".attn_k_b.weight", ".attn_v_b.weight"))
@@ -367,16 +372,19 @@ class GGUFSource(WeightSource):
                 vs = tuple(reversed([int(d) for d in v.shape]))
                 hf = hf_tensor_name(t.name.replace(".attn_k_b.", ".attn_kv_b."), self.arch)
                 self.shapes[str(hf)] = (shape[0] * (shape[2] + vs[1]), shape[1])
+                self._yields[t.name] = {str(hf)}
                 continue
             m = _BLOCK.match(t.name)
             if m and m.group(2) in _EXPERT_PROJS:
                 layer, part, kind = m.groups()
-                for e in range(shape[0]):
-                    self.shapes[f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_PROJS[part]}.{kind}"] = shape[1:]
+                names = {f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_PROJS[part]}.{kind}" for e in range(shape[0])}
+                self.shapes.update((n, shape[1:]) for n in names)
+                self._yields[t.name] = names
                 continue
             hf = hf_tensor_name(t.name, self.arch)
             if hf is not None:
                 self.shapes[hf] = shape
+                self._yields[t.name] = {hf}
         self._by_name = by_name
 
     def _whole(self, t: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -414,6 +422,8 @@ class GGUFSource(WeightSource):
                 continue
             if t.name.endswith(".attn_k_b.weight") and t.name.replace(".attn_k_b.", ".attn_kv_b.") in self._by_name:
                 continue
+            if wanted is not None and not self._yields.get(t.name, set()) & wanted:
+                continue  # reading one tensor must not dequantize the others
             t0 = time.perf_counter()
             out = [(n, w) for n, w in self._whole(t) if wanted is None or n in wanted]
             self.read_seconds += time.perf_counter() - t0
@@ -422,3 +432,34 @@ class GGUFSource(WeightSource):
             del out
             self._drop(t)
 
+
+def file_codes(path: str, num_heads: int, num_kv_heads: int) -> dict[str, Callable[[], gguf_quant.Codes]]:
+    """HF weight name -> a call that converts that GGUF tensor's blocks (read from the memory-mapped file
+    only when called), for every 2-D tensor of a kept type; q/k rows unpermuted as the loader does."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch, spec = _arch(reader)
+    out: dict[str, Callable[[], gguf_quant.Codes]] = {}
+    for t in reader.tensors:
+        if int(t.tensor_type) not in gguf_quant.KEPT_CONVERTERS or len(t.shape) != 2:
+            continue
+        try:
+            hf = hf_tensor_name(t.name, arch)
+        except ValueError:
+            continue
+        if hf is None:
+            continue
+        proj = hf.split(".")[-2]
+        heads = (num_heads if proj == "q_proj" else num_kv_heads) if spec.permute_qk and proj in ("q_proj", "k_proj") else 0
+
+        def convert(t: Any = t, heads: int = heads) -> gguf_quant.Codes:
+            k, n = (int(x) for x in t.shape)  # GGUF lists the fastest dimension first
+            codes, scales, offsets, bits, group = gguf_quant.gguf_codes(t.data, int(t.tensor_type), n, k)
+            if heads:
+                codes, scales = unpermute_rope_rows(codes, heads), unpermute_rope_rows(scales, heads)
+                offsets = unpermute_rope_rows(offsets, heads) if offsets is not None else None
+            return codes, scales, offsets, bits, group
+
+        out[hf] = convert
+    return out

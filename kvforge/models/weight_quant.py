@@ -92,7 +92,7 @@ def attach_gguf_codes(model: nn.Module, path: str, taken: set[str] | None = None
     block type, with one bit width and group size, runs on the file's own codes (`gguf_quant`); a tied
     embedding reads them too. Other layers (F16 / F32 or other block types, mixed parts) stay as loaded
     (dequantized). Returns how many layers were attached; `taken` gets the checkpoint names they cover."""
-    from kvforge.models.gguf_quant import file_codes
+    from kvforge.models.gguf_loader import file_codes
     from kvforge.models.layers import PACKED_PARAMS
 
     cfg = model.config
