@@ -75,7 +75,8 @@ def test_fp8_default_scales_follow_the_recorded_8k_measurement():
     from kvforge.ledger import DEFAULT_KV_SCALES, KVCacheFormat
     from kvforge.planner.kv_quality import loss_at, measured_default_scale
 
-    assert measured_default_scale("fp8_e4m3", 8192) == DEFAULT_KV_SCALES["fp8_e4m3"] == "head"  # none meets 1%
+    # none meets 1%; per head (+1.45%) loses less than per token (+1.91%) and K per channel (+2.03%)
+    assert measured_default_scale("fp8_e4m3", 8192) == DEFAULT_KV_SCALES["fp8_e4m3"] == "head"
     assert measured_default_scale("int8", 8192) == DEFAULT_KV_SCALES["int8"] == "token"  # +0.23% meets 0.5%
     assert loss_at(KVCacheFormat("fp8_e4m3", "fp8_e4m3", "head"), 8192).increase_pct < \
         loss_at(KVCacheFormat("fp8_e4m3", "fp8_e4m3", "token"), 8192).increase_pct

@@ -20,6 +20,7 @@ from kvforge.ledger import QUANTIZED_DTYPES, KVCacheFormat
 LOSS_LIMIT_PCT = 1.0  # the lint fires above this perplexity increase
 MEASURED_ON = "SmolLM2-135M-Instruct (fp32), CPython docs, one window per context"
 SOURCE_RUN = "benchmarks/results/2026-12-04_kv_quant_at_length_smollm2.txt"
+CHANNEL_RUN = "benchmarks/results/2026-12-06_kv_quant_at_length_smollm2_fp8_channel.txt"  # same reference values
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ RECORDED_CURVE: tuple[CurvePoint, ...] = (
     CurvePoint("int4@head", 8192, 40.40, SOURCE_RUN),  # 14.4163
     CurvePoint("16/int8@token", 2048, 0.08, SOURCE_RUN),  # 11.8929: K 16-bit, V int8
     CurvePoint("16/int8@token", 8192, 0.08, SOURCE_RUN),  # 10.2760
+    CurvePoint("fp8_e4m3@channel", 2048, 2.10, CHANNEL_RUN),  # 12.1330: K per channel (KIVI), V per token
+    CurvePoint("fp8_e4m3@channel", 8192, 2.03, CHANNEL_RUN),  # 10.4770
 )
 
 
