@@ -6,7 +6,7 @@ which only llama.cpp's continuous batching (its server's slots) runs; `llama-ben
 
 How it is set up, to match the budget the other engines get (peers.BUDGET, KV_MEMORY_GIB):
 - one slot per request, up to max_num_seqs (`-np`), one unified KV buffer (`--kv-unified`) sized to the
-  workload's tokens (`-c`: every prompt + output, at least 4,096), a logical batch of
+  workload's tokens (`-c`: every prompt + output and 64 spare per slot, at least 4,096), a logical batch of
   max_num_batched_tokens (`-b`; llama.cpp's own physical micro-batch `-ub` stays at its default);
 - threads: OMP_NUM_THREADS or every CPU this process may use, for generation and for prompts (`-t`, `-tb`);
 - requests: `POST /completion` with the prompt as token ids (no BOS is added to an id list),
@@ -124,11 +124,11 @@ def run_llamacpp(server: str, gguf: str, work: list[tuple[list[int], int]], warm
                 except BaseException as exc:  # noqa: BLE001 - reported below, after every thread ends
                     errors.append(exc)
 
-            threads_ = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
-            for t in threads_:
-                t.start()
-            for t in threads_:
-                t.join()
+            clients = [threading.Thread(target=one, args=(i,)) for i in range(len(work))]
+            for c in clients:
+                c.start()
+            for c in clients:
+                c.join()
             if errors:
                 raise errors[0]
             res = meter.result()

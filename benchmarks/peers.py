@@ -437,6 +437,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="kvforge's weight formats; default: none (none int8 int4 with --model-size). OpenVINO "
                          "runs the none rows on --openvino-model and the int8 rows on --openvino-model-int8; vLLM "
                          "the none rows")
+    # kvforge.config.INT4_GROUP_SIZES, spelled out: this parser also runs under the peers' interpreters
     ap.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
                     help="kvforge's int4 rows: weights per scale and offset along K (quantization_group_size)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)

@@ -109,6 +109,12 @@ def test_model_size_fills_in_its_defaults() -> None:
     explicit = parse_args(["--model-size", "3b", "--quantization", "int8", "--dtype", "float32"])
     assert (explicit.quantization, explicit.dtype) == (["int8"], ["float32"])
     assert sized.group_size == 32 and parse_args(["--group-size", "128"]).group_size == 128  # kvforge's int4 rows
+    from kvforge.config import INT4_GROUP_SIZES
+
+    for g in INT4_GROUP_SIZES:  # the parser's spelled-out copy follows the engine's list
+        assert parse_args(["--group-size", str(g)]).group_size == g
+    with pytest.raises(SystemExit):
+        parse_args(["--group-size", "16"])
 
 
 def test_model_size_with_a_model_is_a_usage_error() -> None:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from kvforge.gguf_tokenizer import field
-from kvforge.models.weight_source import Block, WeightSource, drop_pages, rows_per_block
 from kvforge.models import gguf_quant
+from kvforge.models.weight_source import Block, WeightSource, drop_pages, rows_per_block
 
 logger = logging.getLogger(__name__)
 
