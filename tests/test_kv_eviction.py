@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from transformers.cache_utils import DynamicCache
 
 from conftest import assert_no_leaks
+from eviction_reference import plain_keep, snapkv_prompt_scores
 from kvforge import LLM, SamplingParams
 from kvforge.engine.args import EngineArgs
 from kvforge.kv.eviction import EvictionConfig, blocks_to_keep, check_budget, max_pool
@@ -106,7 +107,7 @@ def test_budget_above_length_is_bit_identical(tiny_model_factory, policy):
 def _reference(model, prompt, policy, budget, sink, recent, window, pool, steps):
     """Greedy tokens and kept positions after every step, evicting from transformers' dense cache."""
     model.set_attn_implementation("eager")
-    bs, budget_blocks = BS, budget // BS
+    bs = BS
 
     def mass_of(attentions, rows):
         return sum(a[0, :, rows, :].sum(dim=(0, 1)) for a in attentions).double()
@@ -118,27 +119,14 @@ def _reference(model, prompt, policy, budget, sink, recent, window, pool, steps)
     scores = mass_of(out.attentions, slice(0, len(prompt)))
     if policy == "snapkv":  # each block: the largest pooled share any layer's query head voted it
         votes = [list(row) for a in out.attentions for row in a[0, :, len(prompt) - window :, :].sum(1).double().tolist()]
-        total = sum(map(sum, votes))
-        n = len(prompt)
-        per_block = [max(sum(max_pool(row, pool)[b * bs : (b + 1) * bs]) for row in votes) for b in range(-(-n // bs))]
-        scale = total / sum(per_block)
-        scores = torch.tensor([per_block[t // bs] * scale / bs for t in range(n)], dtype=torch.float64)
+        scores = snapkv_prompt_scores(votes, len(prompt), bs, pool)
     kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
     tokens, kept_after_step = [], []
     for step in range(steps):
         tok = int(out.logits[0, -1].argmax())
         tokens.append(tok)
-        full = len(positions) // bs
-        if full > budget_blocks:  # the policy, written out plainly
-            sinks = list(range(-(-sink // bs)))
-            if policy == "streaming":
-                keep = sinks + list(range(full - (budget_blocks - len(sinks)), full))
-            else:
-                r = -(-recent // bs)
-                block_scores = [float(scores[b * bs : (b + 1) * bs].sum()) for b in range(full)]
-                middle = sorted(range(len(sinks), full - r), key=lambda b: (block_scores[b], b), reverse=True)
-                keep = sorted(sinks + middle[: budget_blocks - len(sinks) - r] + list(range(full - r, full)))
-            idx = [b * bs + j for b in keep for j in range(bs)] + list(range(full * bs, len(positions)))
+        idx = plain_keep(policy, scores, len(positions), bs, budget, sink, recent)
+        if idx is not None:
             positions = [positions[i] for i in idx]
             scores = scores[idx]
             kv = [(k[:, :, idx], v[:, :, idx]) for k, v in kv]
@@ -362,6 +350,11 @@ def test_plan_kv_budget_shows_sequences_with_and_without_eviction(capsys):
     assert code == 0
     assert cap["concurrency_at_avg"] == cap["num_blocks"] // (2048 // 16)
     assert cap["evicting_at_avg"] == cap["num_blocks"] // (256 // 16 + 1)  # budget's blocks + the tail
+    # hybrid: the full-attention group's blocks count (eviction cuts it); every layer windowed: not served
+    for model, cut in (("gemma-2-9b", True), ("mistral-7b", False)):
+        main(["plan", "--model", model, "--gpu-memory", "40GiB", "--max-model-len", "8192", "--kv-budget", "1024", "--json"])
+        cap = __import__("json").loads(capsys.readouterr().out)["configs"][0]["capacity"]
+        assert cap["evicting_at_max"] == (cap["num_blocks"] // (1024 // 16 + 1) if cut else None)
     with pytest.raises(SystemExit) as exc:  # argparse: usage error, exit code 2
         main(["plan", "--kv-budget", "0"])
     assert exc.value.code == 2

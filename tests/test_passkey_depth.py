@@ -98,10 +98,10 @@ def test_depth_run_writes_table_json_and_counts_every_cell(tiny, tmp_path, capsy
 
 
 def test_a_refused_policy_is_reported_and_the_rest_runs(tiny_model_factory, capsys):
-    path, _ = tiny_model_factory("gemma3")  # sliding-window layers: the engine refuses eviction
+    path, _ = tiny_model_factory("mistral_swa")  # every layer windowed: the engine refuses eviction
     assert main(["eval", "kv-evict", "--model", path, "--block-size", "4", "--passkey-lengths", "300",
                  "--passkey-depths", "50", "--passkey-budgets", "64", "--passkey-prompts", "1",
                  "--policies", "snapkv", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert "sliding-window" in data["refused"]["snapkv"]
+    assert "sliding window" in data["refused"]["snapkv"]
     assert [(c["policy"], c["total"]) for c in data["cells"]] == [("full cache", 1)]

@@ -36,6 +36,7 @@ from kvforge.engine.startup_report import StartupReport, build_startup_report
 from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.storage.build import make_layer_caches
 from kvforge.kv.contiguous import make_coordinator
+from kvforge.kv.eviction import group_evicts
 from kvforge.kv.salt import check_cache_salt
 from kvforge.kv.tiers.tiers import flush_tiers_at_exit
 from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
@@ -161,7 +162,7 @@ class LLMEngine:
             if progress is not None:
                 progress.next()
             self.runner = ModelRunner(self.model, caches, layer_groups, cache_cfg.block_size, self.device, opts.seed,
-                                      opts.attention_backend)
+                                      opts.attention_backend, [group_evicts(g.window) for g in groups])
             self.runner.decode_graphs = decode_graphs_for(self.model, caches, self.device, opts.enforce_eager,
                                                           sched.max_num_seqs, max_model_len, cache_cfg.block_size,
                                                           opts.attention_backend)
@@ -171,7 +172,7 @@ class LLMEngine:
         self.structured = self.runner.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size)
         self.eviction: EvictionTracker | None = None
         if config.eviction_config.enabled:  # refused with tensor parallelism (EngineConfig)
-            check_eviction_supported(cfg, len(groups))
+            check_eviction_supported(cfg)
             self.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.report.dtype_reason = self.dtype_reason
         if self.gpu_memory is not None:
@@ -356,7 +357,7 @@ class LLMEngine:
                 self.eviction.release(req.request_id)
             for req in advanced:  # caught up with its tokens: cut to the budget (the prompt once, then a block at a time)
                 dropped = self.eviction.evict_if_due(req)
-                evicted = len(dropped[0])  # logical blocks (eviction serves one-group models)
+                evicted = len(dropped[0])  # logical blocks, in group 0 (the full-attention group eviction cuts)
                 self.kv_map.on_evict(req, dropped, self.config.eviction_config.kv_eviction)
                 self.counters.num_evicted_blocks += evicted
                 self.counters.num_evicted_tokens += evicted * self.kv.block_size

@@ -27,16 +27,18 @@ from kvforge.kv.blocks import KVBlock
 from kvforge.kv.coordinator import KVCacheCoordinator
 
 
-def check_eviction_supported(cfg: ModelConfig, num_groups: int) -> None:
+def check_eviction_supported(cfg: ModelConfig) -> None:
     """ValueError naming `kv_eviction` for models whose cache eviction cannot serve (yet).
 
-    Sliding-window layers mask by distance in the cache, which eviction shifts; MLA attends in its own
-    path, which reports no attention mass. Both are left out rather than served wrong.
+    MLA attends in its own path, which reports no attention mass. A model whose every layer is
+    windowed has no cache that grows with the context (eviction cuts full-attention layers only:
+    `kv/eviction.py`). Both are refused rather than served wrong.
     """
     if cfg.mla_latent_dim:
         raise ValueError("kv_eviction is not supported for MLA models (DeepSeek-V2/V3) yet")
-    if any(w is not None for w in cfg.sliding_windows) or num_groups > 1:
-        raise ValueError("kv_eviction is not supported for models with sliding-window layers")
+    if cfg.sliding_windows and all(w is not None for w in cfg.sliding_windows):
+        raise ValueError("kv_eviction cuts full-attention layers, and every layer of this model attends through a "
+                         "sliding window, which already bounds its cache")
 
 
 class EvictionTracker:
@@ -223,7 +225,7 @@ class EvictionTracker:
                               block_scores)
         logical = self.logical_blocks(req)
         dropped = self.kv.evict_blocks(req, keep)
-        evicted = len(dropped[0])  # one group: eviction serves one-group models
+        evicted = len(dropped[0])  # group 0: the full-attention group, the one eviction cuts
         req.num_evicted_tokens += evicted * bs
         req.evicted_tokens_total += evicted * bs
         req.evicted_blocks_total += evicted

@@ -93,7 +93,8 @@ class KVMapObserver:
         """The map as of the last step, with the events from sequence `since` on (None: the newest only)."""
         kv = engine.kv
         writes = StepWrites.from_chunks(self._chunks, kv.block_size, kv.num_groups,
-                                        [p.null_block.block_id for p in kv.pools], self._shifts)
+                                        [p.null_block.block_id for p in kv.pools], self._shifts,
+                                        [m.evicts for m in kv.managers])
         scheduler = engine.scheduler
         snap = build_snapshot(kv, list(scheduler.running), list(scheduler.waiting), writes,
                               engine.scheduler_config.max_model_len, self.step, engine.tier_stats())

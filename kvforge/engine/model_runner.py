@@ -43,11 +43,14 @@ def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, caches: list[PagedLayerStorage], layer_groups: list[int], block_size: int,
-        device: torch.device, seed: int = 0, attention_backend: str = "auto",
+        device: torch.device, seed: int = 0, attention_backend: str = "auto", cut_groups: Sequence[bool] | None = None,
     ) -> None:
         self.model, self.caches = model, caches
         self.layer_groups = layer_groups  # KV cache group of each layer (all 0 for a plain model)
         self.num_groups = max(layer_groups) + 1
+        # per group: does KV eviction cut its tables (full attention; kv/eviction.py `group_evicts`)? Those
+        # groups read a sequence's cache at shifted coordinates and report the attention mass eviction scores
+        self.cut_groups = list(cut_groups) if cut_groups is not None else [True] * self.num_groups
         self.attention_backend = attention_backend
         self.block_size = block_size
         self.device = device
@@ -87,9 +90,12 @@ class ModelRunner:
             c = chunks[i]
             ids.extend(c.request.all_token_ids[c.start : c.start + c.num_tokens])
             positions.append(torch.arange(c.start, c.start + c.num_tokens))
-        # cache coordinates: a sequence that evicted holds fewer tokens than its true position (KV eviction)
-        starts = [c.start - c.request.num_evicted_tokens for c in chunks]
-        metas = [self._metadata(chunks, starts, decodes, prefills, [c.block_ids[g] for c in chunks])
+        # cache coordinates: a sequence that evicted holds fewer tokens than its true position in the groups
+        # KV eviction cuts; a windowed group keeps true positions
+        cut = [c.start - c.request.num_evicted_tokens for c in chunks]
+        true = [c.start for c in chunks]
+        metas = [self._metadata(chunks, cut if self.cut_groups[g] else true, decodes, prefills,
+                                [c.block_ids[g] for c in chunks])
                  for g in range(self.num_groups)]
         meta: AttentionMetadata | list[AttentionMetadata] = metas[0]
         if self.num_groups > 1:
@@ -145,9 +151,7 @@ class ModelRunner:
         input_ids, positions, meta, order = self.prepare(chunks)
         mass = None
         if out.attention_scoring is not None:  # scored eviction policies: the layers report attention mass
-            mass = mass_for(out.attention_scoring)
-            assert isinstance(meta, AttentionMetadata), "KV eviction runs with one KV cache group"
-            meta.attention_mass = mass
+            mass = self._score_attention(meta, out.attention_scoring)
         # row of each chunk's last token in the flattened batch
         rows, sampling = [], []
         row = 0
@@ -176,6 +180,18 @@ class ModelRunner:
         allowed = self.structured.fill(sampling) if self.structured is not None else None
         results = sample(logits, params, gens, banned, histories, allowed)
         return ModelRunnerOutput({r.request_id: res for r, res in zip(sampling, results)}, mass, scores)
+
+    def _score_attention(self, meta: AttentionMetadata | list[AttentionMetadata],
+                         scoring: AttentionScoring) -> AttentionMassRequest:
+        """The step's attention-mass accumulator, set on the layers of the groups KV eviction cuts only: a
+        windowed layer sees its window at true positions, not the cut cache the scores rank."""
+        mass = mass_for(scoring)
+        metas = [meta] if isinstance(meta, AttentionMetadata) else meta
+        groups = [0] if isinstance(meta, AttentionMetadata) else self.layer_groups
+        for layer_meta, g in zip(metas, groups):
+            if self.cut_groups[g]:
+                layer_meta.attention_mass = mass
+        return mass
 
     def _generator(self, request_id: str, seed: int | None, sample_index: int = 0) -> torch.Generator:
         """Seeded requests own a generator (sample i of n: `sample_seed(seed, i)`), kept across preemption."""
@@ -230,10 +246,7 @@ class ModelRunner:
         its attention mass for KV eviction (`kvforge eval kv-evict` streams text through the cache this way)."""
         self._sync_tiers(exports, [])
         input_ids, positions, meta, _ = self.prepare([chunk])
-        mass = None
-        if scoring is not None:
-            mass = mass_for(scoring)
-            meta.attention_mass = mass  # type: ignore[union-attr]
+        mass = self._score_attention(meta, scoring) if scoring is not None else None
         logits = self._forward_logits(input_ids, positions, meta, None)
         assert logits is not None
         return logits.cpu(), mass

@@ -61,18 +61,20 @@ class StepWrites:
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[tuple[int, int, Sequence[Sequence[int]]]], block_size: int,
-                    num_groups: int, null_ids: Sequence[int], evicted: Mapping[int, int] | None = None) -> "StepWrites":
+                    num_groups: int, null_ids: Sequence[int], evicted: Mapping[int, int] | None = None,
+                    cut_groups: Sequence[bool] | None = None) -> "StepWrites":
         """`chunks`: (start token, tokens, block ids per group) of each scheduled chunk.
 
-        `evicted[i]`: tokens chunk i's request had compacted away by eviction (table coordinates shift).
+        `evicted[i]`: tokens chunk i's request had compacted away by eviction (table coordinates shift
+        in the groups eviction cuts, `cut_groups[g]`; None: every group).
         """
         out = cls([set() for _ in range(num_groups)])
         for i, (start, n, tables) in enumerate(chunks):
             if n <= 0:
                 continue
-            shift = (evicted or {}).get(i, 0)
-            first, last = (start - shift) // block_size, (start - shift + n - 1) // block_size
             for g, table in enumerate(tables[:num_groups]):
+                shift = (evicted or {}).get(i, 0) if cut_groups is None or cut_groups[g] else 0
+                first, last = (start - shift) // block_size, (start - shift + n - 1) // block_size
                 for idx in range(max(0, first), min(last + 1, len(table))):
                     if table[idx] != null_ids[g]:
                         out.blocks[g].add(table[idx])
@@ -119,7 +121,7 @@ def build_snapshot(kv: KVCacheCoordinator, running: Sequence[MapRequest], waitin
     groups = []
     for g, (manager, spec) in enumerate(zip(kv.managers, kv.groups)):
         pool = manager.pool
-        filled = _filled_blocks(manager.tables, running, kv.block_size)
+        filled = _filled_blocks(manager.tables, running, kv.block_size, manager.evicts)
         states, refs, lru = pool_states(pool, writes.blocks[g] if writes and g < len(writes.blocks) else None, filled)
         groups.append({
             "index": g, "window": manager.sliding_window, "layers": len(spec.layers),
@@ -150,13 +152,15 @@ def build_snapshot(kv: KVCacheCoordinator, running: Sequence[MapRequest], waitin
     }
 
 
-def _filled_blocks(tables: Mapping[str, Sequence[Any]], running: Sequence[MapRequest], block_size: int) -> set[int]:
+def _filled_blocks(tables: Mapping[str, Sequence[Any]], running: Sequence[MapRequest], block_size: int,
+                   evicts: bool = True) -> set[int]:
     """Block ids that hold at least one written token of a running request (table index i holds
-    positions [i * block_size, (i + 1) * block_size) of the tokens its table keeps)."""
+    positions [i * block_size, (i + 1) * block_size) of the tokens its table keeps; `evicts`: KV
+    eviction cuts this group, so its tables hold the computed tokens minus the evicted ones)."""
     out: set[int] = set()
     for req in running:
         table = tables.get(req.request_id, ())
-        n = -(-(req.num_computed_tokens - req.num_evicted_tokens) // block_size)
+        n = -(-(req.num_computed_tokens - (req.num_evicted_tokens if evicts else 0)) // block_size)
         out.update(b.block_id for b in table[:n])
     return out
 

@@ -301,14 +301,17 @@ class KVCacheCoordinator:
         return counts
 
     def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> list[list[int]]:
-        """KV eviction (one-group models): keep only the full blocks at `keep`; the table closes up.
+        """KV eviction: in the full-attention group, keep only the full blocks at `keep`; the table closes up.
 
-        Returns the evicted block ids per group (as `block_ids` does). Positions shift: the caller
+        Windowed groups are left as they are (`kv/eviction.py`, `group_evicts`): their window bounds
+        them already and their tables keep true positions. Returns the evicted block ids per group (as
+        `block_ids` does; empty for a windowed group). Positions shift in the cut group: the caller
         advances the request's `num_evicted_tokens` by the evicted blocks x block_size, and attention
-        reads a shorter table with no mask (no null block is left in it).
+        there reads a shorter table with no mask (no null block is left in it).
         """
-        assert self.num_groups == 1, "KV eviction serves one-group models"
-        return [self.managers[0].evict_blocks(req, keep)]
+        if not any(m.evicts for m in self.managers):
+            raise ValueError("KV eviction needs a full-attention group: every group here is windowed")
+        return [m.evict_blocks(req, keep) if m.evicts else [] for m in self.managers]
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """`child` shares every block of `parent` in every group; its hash chain starts as a copy."""

@@ -26,6 +26,12 @@ Which full blocks stay:
   votes and applies the H2O rule.
 
 Ties go to the later block (recent context is the safer guess).
+
+Hybrid models (Gemma 2/3, Qwen2 with `max_window_layers`) evict in their full-attention group only
+(`group_evicts`): that is the cache that grows with the context. A sliding-window layer already holds
+no more than its window, masks by distance between true positions, and keeps every token of it; the
+scores come from the full-attention layers alone (the windowed layers never see the older blocks).
+A model whose every layer is windowed has nothing to evict and is refused.
 """
 from __future__ import annotations
 
@@ -37,6 +43,15 @@ from kvforge.flags import option
 EVICTION_POLICIES = ("none", "streaming", "h2o", "snapkv")
 SCORED_POLICIES = ("h2o", "snapkv")
 SNAPKV_RECENT_TOKENS = 32  # snapkv's default recent window once decode applies the H2O rule
+
+
+def group_evicts(window: int | None) -> bool:
+    """Whether KV eviction cuts the tables of a KV cache group with this attention window.
+
+    Full-attention groups only: a windowed group is bounded by its window already, and its masks count
+    distance in cache coordinates, which a cut would shift. Its tables keep true positions.
+    """
+    return window is None
 
 
 @dataclass(frozen=True, slots=True)

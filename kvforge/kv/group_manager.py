@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from kvforge.kv.blocks import BlockPool, KVBlock
+from kvforge.kv.eviction import group_evicts
 from kvforge.kv.hashing import BlockHash
 from kvforge.kv.interface import KVLoad, KVRequest
 from kvforge.kv.tiers.tiers import TierHit
@@ -34,6 +35,16 @@ class GroupManager:
         # Blocks published while a step is being scheduled, whose K/V that step has yet to write (None: no
         # step open). Nothing hits them until the step ran, so no block another table holds is ever written.
         self.filling: set[int] | None = None
+
+    @property
+    def evicts(self) -> bool:
+        """Whether KV eviction cuts this group's tables (full attention; `kv/eviction.py`)."""
+        return group_evicts(self.sliding_window)
+
+    def cached_tokens(self, req: KVRequest) -> int:
+        """Tokens whose K/V the request's table holds: computed minus those KV eviction compacted away
+        (a windowed group is never cut: its table keeps true positions)."""
+        return req.num_computed_tokens - (req.num_evicted_tokens if self.evicts else 0)
 
     @property
     def null_block(self) -> KVBlock:
@@ -111,7 +122,7 @@ class GroupManager:
 
     def blocks_needed(self, req: KVRequest, num_new_tokens: int, num_computed_blocks: int = 0) -> int:
         held = len(self.tables.get(req.request_id, ())) + num_computed_blocks
-        total = cached_tokens(req) + num_computed_blocks * self.block_size + num_new_tokens
+        total = self.cached_tokens(req) + num_computed_blocks * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - held)
 
     def can_allocate(self, req: KVRequest, num_new_tokens: int, computed_blocks: list[KVBlock]) -> bool:
@@ -136,7 +147,7 @@ class GroupManager:
         table.extend(computed_blocks)
         copies: list[tuple[int, int]] = []
         if cow:
-            idx = cached_tokens(req) // self.block_size
+            idx = self.cached_tokens(req) // self.block_size
             old = table[idx]
             (new,) = self.pool.get_new_blocks(1)
             self.pool.free_blocks([old])
@@ -178,7 +189,7 @@ class GroupManager:
         if not table or self.sliding_window is None:
             return
         n = max(0, req.num_computed_tokens - self.sliding_window) // self.block_size
-        if self.pool.enable_caching:
+        if self.pool.enable_caching and not req.num_evicted_tokens:  # an evicting sequence publishes no more
             n = min(n, self.num_published.get(req.request_id, 0))
         i = min(n, len(table))
         while i > 0 and table[i - 1] is not self.null_block:  # freed blocks form a prefix: scan back to it
@@ -194,7 +205,7 @@ class GroupManager:
         no null block is left, so attention needs no mask. Returns the evicted blocks' ids, in table order.
         """
         table = self.tables.get(req.request_id, [])
-        num_full = cached_tokens(req) // self.block_size
+        num_full = self.cached_tokens(req) // self.block_size
         kept = set(keep)
         assert kept <= set(range(num_full)), "only full blocks can be evicted"
         evicted = [b for i, b in enumerate(table[:num_full]) if i not in kept]
@@ -218,9 +229,9 @@ class GroupManager:
 
     def _needs_copy_on_write(self, req: KVRequest, table: list[KVBlock], num_new_tokens: int) -> bool:
         """True when this step writes into a partly filled block that another table shares."""
-        if num_new_tokens == 0 or cached_tokens(req) % self.block_size == 0:
+        if num_new_tokens == 0 or self.cached_tokens(req) % self.block_size == 0:
             return False
-        idx = cached_tokens(req) // self.block_size
+        idx = self.cached_tokens(req) // self.block_size
         return idx < len(table) and table[idx].ref_cnt > 1
 
     def _publish_full_blocks(self, req: KVRequest, num_full: int, hashes: Sequence[BlockHash]) -> None:
@@ -252,7 +263,3 @@ class GroupManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.tables.values())
 
-
-def cached_tokens(req: KVRequest) -> int:
-    """Tokens whose K/V the request's table holds: computed minus those KV eviction compacted away."""
-    return req.num_computed_tokens - req.num_evicted_tokens

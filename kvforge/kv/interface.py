@@ -14,8 +14,9 @@ Shapes, always per KV cache group (a plain model has exactly one group):
 (docs/DESIGN.md, "KV coordinator contract"):
 
 - KV eviction (removing KV from the middle of a sequence, `kv_eviction=...`,
-  engine/kv_eviction.py): `evict_blocks` keeps chosen full blocks, the table
-  closes up, the request's `num_evicted_tokens` shifts its cache coordinates,
+  engine/kv_eviction.py): `evict_blocks` keeps chosen full blocks in the
+  full-attention group (a windowed group is never cut), the table closes up,
+  the request's `num_evicted_tokens` shifts that group's cache coordinates,
   and attention reads a shorter table with no mask, in every backend.
 - KV tiers use `BlockPool.add_evict_listener` (a hook when a cached block leaves
   the device pool) and a `SecondaryKVCache`: a prefix lookup continues into it
@@ -72,7 +73,8 @@ class KVRequest(Protocol):
     def block_hashes(self) -> list[BlockHash]: ...
     @property
     def num_evicted_tokens(self) -> int:
-        """KV eviction: tokens evicted from the middle of the sequence (cache length = computed - evicted)."""
+        """KV eviction: tokens evicted from the middle of the sequence (the full-attention group's cache
+        length = computed - evicted; windowed groups keep true positions)."""
         ...
 
 
@@ -196,8 +198,8 @@ class KVCacheCoordinatorProtocol(Protocol):
 
     def swap_out(self, req: KVRequest) -> None: ...
     def evict_blocks(self, req: KVRequest, keep: Sequence[int]) -> list[list[int]]:
-        """KV eviction: keep only the full blocks at `keep`, the table closing up (one-group models);
-        returns the evicted block ids per group."""
+        """KV eviction: keep only the full blocks at `keep` in the full-attention group, its table closing
+        up (windowed groups are not cut); returns the evicted block ids per group."""
         ...
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None: ...

@@ -49,7 +49,7 @@ class Capacity:
     avg_seq_len: int
     concurrency_at_avg: int
     groups: list[KVGroup] = field(default_factory=list)  # KV cache groups, full attention first (blocks = group 0's)
-    # with --kv-budget (None: not asked, or a windowed model, which eviction does not serve)
+    # with --kv-budget (None: not asked, or every layer windowed, which eviction does not serve)
     evicting_at_max: int | None = None
     evicting_at_avg: int | None = None
 
@@ -164,7 +164,8 @@ def plan_capacity(col: Column, opts: PlanOptions) -> Capacity:
         max_model_len=max_len, concurrency_at_max=concurrency(col, opts, kv, max_len),
         avg_seq_len=avg, concurrency_at_avg=concurrency(col, opts, kv, avg), groups=groups,
     )
-    if opts.kv_budget is not None and not col.shape.sliding_windows:
+    # eviction cuts the full-attention group (kv/eviction.py), whose blocks count here; every layer windowed: refused
+    if opts.kv_budget is not None and any(w is None for w in col.shape.sliding_windows or (None,)):
         def evicting(seq_len: int) -> int:
             return cap.num_blocks // ledger.blocks_per_sequence_evicting(seq_len, opts.block_size, opts.kv_budget)
 

@@ -82,7 +82,7 @@ def _rows(cols: list[Column], opts: PlanOptions) -> list[tuple[str, list[str]]]:
         ]
         if opts.kv_budget is not None:
             def evicting(n: int | None, length: int) -> str:
-                return "n/a (sliding window)" if n is None else f"{n:,} @ {length}"
+                return "n/a (every layer windowed)" if n is None else f"{n:,} @ {length}"
 
             rows += [
                 (f"# with KV eviction: {opts.kv_budget} tokens kept per sequence (prompts cut after prefill)", []),
