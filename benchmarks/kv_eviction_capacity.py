@@ -17,7 +17,7 @@ import time
 from kvforge.engine.args import EngineArgs
 from kvforge.engine.engine import LLMEngine
 from kvforge.engine.sampling_params import SamplingParams
-from kvforge.evaluation.kv_quant import corpus_token_ids
+from kvforge.evaluation.kv_quant import corpus_windows
 
 
 def run(args: argparse.Namespace, eviction: str | None) -> dict:
@@ -27,10 +27,10 @@ def run(args: argparse.Namespace, eviction: str | None) -> dict:
     extra = dict(kv_eviction=eviction, kv_budget=budget) if eviction else {}
     engine = LLMEngine(EngineArgs(model=args.model, block_size=bs, num_kv_blocks=blocks, max_num_seqs=64,
                                   max_num_batched_tokens=args.max_num_batched_tokens, log_ledger=False, **extra))
-    corpus = corpus_token_ids(engine.tokenizer, args.prompt_len * args.num_prompts)
+    prompts = corpus_windows(engine.tokenizer, args.prompt_len, args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for i in range(args.num_prompts):
-        engine.add_request(None, params, corpus[i * args.prompt_len : (i + 1) * args.prompt_len])
+    for prompt in prompts:
+        engine.add_request(None, params, prompt)
     peak, running_sum, steps, out_tokens = 0, 0, 0, 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():

@@ -105,3 +105,33 @@ def test_plan_lint_fires_on_a_recorded_format_and_length(capsys):
     assert lints("--kv-cache-dtype", "fp8", "--max-model-len", "4096") == []
     assert lints("--kv-cache-dtype", "auto/fp8", "--max-model-len", "8192") == []
     assert lints("--kv-cache-dtype", "int8", "--max-model-len", "8192") == []
+
+
+class _BosTokenizer:
+    """Bytes as ids, with a <bos> (id 300) in front when special tokens are asked for and `add_bos`."""
+
+    def __init__(self, add_bos: bool) -> None:
+        self.add_bos = add_bos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([300] if add_special_tokens and self.add_bos else []) + list(text.encode())
+
+
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_eval_text_opens_with_bos_where_the_model_expects_one(add_bos):
+    """Gemma's GGUF asks for <bos>: every perplexity window, greedy prompt and passkey prompt starts with
+    it and keeps its length; a model without one (SmolLM2) gets the plain text, as before."""
+    from kvforge.evaluation.kv_quant import bos_prefix, corpus_token_ids, corpus_windows, prompt_token_ids
+    from kvforge.evaluation.passkey_depth import build_prompts
+
+    tok = _BosTokenizer(add_bos)
+    head = [300] if add_bos else []
+    assert bos_prefix(tok) == head
+    windows = corpus_windows(tok, 64, 3)
+    assert [len(w) for w in windows] == [64] * 3 and all(w[: len(head)] == head for w in windows)
+    body = corpus_token_ids(tok, 64 * 3)
+    assert sum((w[len(head):] for w in windows), []) == body[: (64 - len(head)) * 3]  # consecutive text
+    assert all(p[: len(head)] == head and len(p) == 40 for p in prompt_token_ids(tok, 2, 40))
+    prompts = build_prompts(tok, (300,), (10, 90), 1)
+    assert all(p.ids[: len(head)] == head and len(p.ids) == 300 for p in prompts)
+    assert all(300 not in p.ids[len(head):] for p in prompts)

@@ -32,7 +32,7 @@ import torch
 from kvforge.engine.request import Request
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.engine.scheduler import ScheduledChunk
-from kvforge.evaluation.kv_quant import corpus_token_ids
+from kvforge.evaluation.kv_quant import bos_prefix, corpus_token_ids
 
 POLICIES = ("streaming", "h2o", "snapkv")
 DEFAULT_BUDGETS = ("10%", "20%", "40%", "60%", "128", "256")
@@ -89,9 +89,9 @@ class EvictRow:
 
 
 def passkey_parts(tokenizer, key: str) -> tuple[list[int], list[int], list[int]]:
-    """The intro, the needle that states `key`, and the question, as token ids."""
+    """The intro (after `bos_prefix`), the needle that states `key`, and the question, as token ids."""
     enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    return enc(PASSKEY_INTRO), enc(f"The pass key is {key}. Remember it. {key} is the pass key.\n"), enc(PASSKEY_QUESTION)
+    return bos_prefix(tokenizer) + enc(PASSKEY_INTRO), enc(f"The pass key is {key}. Remember it. {key} is the pass key.\n"), enc(PASSKEY_QUESTION)
 
 
 def passkey_ids(parts: tuple[list[int], list[int], list[int]], doc: list[int], cut: int) -> list[int]:
@@ -127,10 +127,11 @@ class KVEvictEval:
         if tok is None:
             raise ValueError("kvforge eval kv-evict needs a model with a tokenizer")
         o = options
+        bos = bos_prefix(tok)
         corpus = corpus_token_ids(tok, o.ppl_tokens + o.num_prompts * o.prompt_tokens)
-        self.text = corpus[: o.ppl_tokens]
+        self.text = bos + corpus[: o.ppl_tokens - len(bos)]
         rest = corpus[o.ppl_tokens :]
-        self.prompts = [rest[i * o.prompt_tokens : (i + 1) * o.prompt_tokens] for i in range(o.num_prompts)]
+        self.prompts = [bos + rest[i * o.prompt_tokens : (i + 1) * o.prompt_tokens - len(bos)] for i in range(o.num_prompts)]
         self.passkeys = passkey_prompts(tok, o.passkey_prompts, o.passkey_tokens)
         self.greedy = SamplingParams(temperature=0, max_tokens=o.gen_tokens, ignore_eos=True)
         self.base: list[list[int]] = []

@@ -124,15 +124,37 @@ def corpus_token_ids(tokenizer, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
+def bos_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before any text: [<bos>] where the model expects one (Gemma's GGUF says
+    `add_bos_token`), nothing for SmolLM2.
+
+    Eval text is encoded without special tokens so that it can be cut anywhere; every window and prompt
+    then starts with this prefix, as a user's prompt does (and lm-evaluation-harness's rolling windows,
+    whose first token is predicted from <bos>). Without it Gemma reads each window as if cut from the
+    middle of a document.
+    """
+    return list(tokenizer.encode("", add_special_tokens=True))
+
+
+def corpus_windows(tokenizer, context: int, count: int) -> list[list[int]]:
+    """`count` consecutive windows of `context` tokens of the documentation, each opening with `bos_prefix`."""
+    bos = bos_prefix(tokenizer)
+    body = context - len(bos)
+    corpus = corpus_token_ids(tokenizer, body * count)
+    return [bos + corpus[w * body : (w + 1) * body] for w in range(count)]
+
+
 def prompt_token_ids(tokenizer, num_prompts: int, prompt_tokens: int) -> list[list[int]]:
-    """The head of `num_prompts` topics spread evenly over the sorted topic names."""
+    """The head of `num_prompts` topics spread evenly over the sorted topic names (after `bos_prefix`)."""
     from pydoc_data.topics import topics
 
     names = sorted(topics)
     if num_prompts > len(names):
         raise ValueError(f"num_prompts must be <= {len(names)} (one topic each), got {num_prompts}")
     picks = [names[(i * len(names)) // num_prompts] for i in range(num_prompts)]
-    return [tokenizer.encode(topics[n][: 8 * prompt_tokens], add_special_tokens=False)[:prompt_tokens] for n in picks]
+    bos = bos_prefix(tokenizer)
+    body = prompt_tokens - len(bos)
+    return [bos + tokenizer.encode(topics[n][: 8 * prompt_tokens], add_special_tokens=False)[:body] for n in picks]
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -155,12 +177,10 @@ class KVQuantEval:
         tok = engine.tokenizer
         if tok is None:
             raise ValueError("kvforge eval kv-quant needs a model with a tokenizer")
-        need = max(options.contexts) * options.windows
         max_len = engine.scheduler_config.max_model_len
         if max(options.contexts) > max_len:
             raise ValueError(f"contexts: {max(options.contexts)} exceeds the model's max_model_len {max_len}")
-        self.corpus = corpus_token_ids(tok, need)
-        self.windows = {c: [self.corpus[w * c : (w + 1) * c] for w in range(options.windows)] for c in options.contexts}
+        self.windows = {c: corpus_windows(tok, c, options.windows) for c in options.contexts}
         self.prompts = prompt_token_ids(tok, options.num_prompts, options.prompt_tokens)
         self.greedy = SamplingParams(temperature=0, max_tokens=options.gen_tokens, ignore_eos=True)
         self.base_logp: dict[tuple[int, int], torch.Tensor] = {}  # the reference's kept log-probabilities

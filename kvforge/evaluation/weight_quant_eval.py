@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from kvforge.config import WEIGHT_FORMAT_NAMES  # re-exported; "none" = the checkpoint's weights
-from kvforge.evaluation.kv_quant import _kl_sum, _log_probs, _nll_sum, corpus_token_ids
+from kvforge.evaluation.kv_quant import _kl_sum, _log_probs, _nll_sum, corpus_windows
 
 
 @dataclass
@@ -37,17 +37,16 @@ def run_weight_eval(make_engine: Callable[[str | None], Any], formats: list[str]
 
     base: dict[tuple[int, int], torch.Tensor] = {}
     rows: list[WeightRow] = []
-    corpus: list[int] | None = None
+    texts: dict[int, list[list[int]]] | None = None
     for fmt in formats:
         engine = make_engine(None if fmt == "none" else fmt)
-        if corpus is None:
-            corpus = corpus_token_ids(engine.tokenizer, max(contexts) * windows)
+        if texts is None:
+            texts = {c: corpus_windows(engine.tokenizer, c, windows) for c in contexts}
         row = WeightRow(fmt, weights_bytes(engine.model))
         kl, kl_n = 0.0, 0
         for c in contexts:
             nll, n = 0.0, 0
-            for w in range(windows):
-                ids = corpus[w * c:(w + 1) * c]
+            for w, ids in enumerate(texts[c]):
                 logp = _log_probs(engine.prompt_logits(ids))
                 nll, n = nll + _nll_sum(logp, ids), n + len(ids) - 1
                 if not rows:

@@ -40,7 +40,7 @@ class FormatRow:
 
 def measure(engine: Any, contexts: tuple[int, ...], formats: tuple[str, ...]) -> list[FormatRow]:
     """The unquantized reference ("auto"), then each format: one window of max(contexts) tokens each."""
-    from kvforge.evaluation.kv_quant import Variant, corpus_token_ids
+    from kvforge.evaluation.kv_quant import Variant, corpus_windows
     from kvforge.evaluation.long_context import score_window
     from kvforge.ledger import kv_bytes_per_token
 
@@ -48,7 +48,7 @@ def measure(engine: Any, contexts: tuple[int, ...], formats: tuple[str, ...]) ->
     if longest > engine.scheduler_config.max_model_len:
         raise ValueError(f"--contexts: {longest} exceeds the model's max_model_len "
                          f"{engine.scheduler_config.max_model_len}")
-    tokens = corpus_token_ids(engine.tokenizer, longest)
+    (tokens,) = corpus_windows(engine.tokenizer, longest, 1)
     rows = []
     for spec in ("auto", *formats):
         engine.reconfigure_kv_cache(**Variant.parse(spec).engine_changes())
