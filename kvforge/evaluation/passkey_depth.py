@@ -10,8 +10,9 @@ filler across depths, and the budgets of one prompt share its prefill through th
 cuts only after the prompt), so the budgets cost little more than one. The engine prefills in chunks of
 its `max_num_batched_tokens`, so memory stays bounded at any length.
 
-A policy the engine refuses for this model (sliding-window models such as Gemma 3 refuse every eviction
-policy) is reported as refused, with the engine's reason, and the others still run.
+A policy the engine refuses for this model (a model whose every layer is windowed refuses every eviction
+policy; hybrid models such as Gemma 3 evict in their full-attention layers) is reported as refused, with
+the engine's reason, and the others still run. Prompts open with the tokenizer's <bos> where it adds one.
 """
 from __future__ import annotations
 
