@@ -182,7 +182,8 @@ class GroupManager:
         The next query is at position num_computed_tokens and sees positions > q - window, so blocks
         ending before num_computed_tokens - window are dead. Freed blocks keep their hash (prefix
         hits stay possible; a hit always starts from the chain head, never from a placeholder), and only
-        published blocks are freed so publishing never meets a placeholder. A long request thus holds
+        published blocks are freed so publishing never meets a placeholder (unless KV eviction cut the
+        request: it publishes nothing more, so every dead block goes). A long request thus holds
         O(window / block_size) blocks. A no-op for a full-attention group.
         """
         table = self.tables.get(req.request_id)
