@@ -108,13 +108,18 @@ def test_plan_lint_fires_on_a_recorded_format_and_length(capsys):
 
 
 class _BosTokenizer:
-    """Bytes as ids, with a <bos> (id 300) in front when special tokens are asked for and `add_bos`."""
+    """Bytes as ids; with special tokens, a <bos> (id 300) in front when `add_bos`, and always an <eos>
+    (id 301) at the end, as some post-processors add: the prefix must take the <bos> only."""
+
+    bos_token_id = 300
 
     def __init__(self, add_bos: bool) -> None:
         self.add_bos = add_bos
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([300] if add_special_tokens and self.add_bos else []) + list(text.encode())
+        if not add_special_tokens:
+            return list(text.encode())
+        return ([300] if self.add_bos else []) + list(text.encode()) + [301]
 
 
 @pytest.mark.parametrize("add_bos", [True, False])

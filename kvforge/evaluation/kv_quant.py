@@ -131,9 +131,11 @@ def bos_prefix(tokenizer) -> list[int]:
     Eval text is encoded without special tokens so that it can be cut anywhere; every window and prompt
     then starts with this prefix, as a user's prompt does (and lm-evaluation-harness's rolling windows,
     whose first token is predicted from <bos>). Without it Gemma reads each window as if cut from the
-    middle of a document.
+    middle of a document. Only a leading <bos> counts: a post-processor that also appends <eos> to every
+    encoding must not put one at the head of the text.
     """
-    return list(tokenizer.encode("", add_special_tokens=True))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [bos] if bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos] else []
 
 
 def corpus_windows(tokenizer, context: int, count: int) -> list[list[int]]:
