@@ -16,6 +16,7 @@ import argparse
 import io
 import sys
 import time
+from dataclasses import replace
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -34,12 +35,13 @@ LAYER_SHAPES = [((HEADS + 2 * KV_HEADS) * HEAD, HIDDEN), (HIDDEN, HEADS * HEAD),
 def build(layers: int, group: int) -> dict[str, list]:
     """Each weight in the three layouts, made one at a time so only one dense bf16 copy is alive."""
     torch.manual_seed(0)
-    out: dict[str, list] = {"bf16": [], "int8": [], f"int4 g{group}": []}
+    out: dict[str, list] = {"bf16": [], "int8": [], "w8a8_int8": [], f"int4 g{group}": []}
     shapes = [s for _ in range(layers) for s in LAYER_SHAPES] + [(VOCAB, HIDDEN)]
     for n, k in shapes:
         w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
         out["bf16"].append(pack_panels(w))
         out["int8"].append(quantize(w, "int8"))
+        out["w8a8_int8"].append(replace(out["int8"][-1], act_int8=True))  # the same codes, int8 activations
         out[f"int4 g{group}"].append(quantize(w, "int4", group))
     return out
 

@@ -4,8 +4,6 @@ windows, soft-capping, partly filled and shared blocks."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.torch_ref import decode_attention
 from kvforge.kv import quant
 from kvforge.kv.storage.quantized import QuantizedKVCache
+from kernel_builds import run_built_with as _run_built_with
 from test_cpu_kernel import HAS_AVX512
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason=f"{cpu_kernel.unavailable_reason()}")
@@ -213,13 +212,6 @@ def test_quantized_kernel_without_avx512_builds_and_matches(kernel_cache):
         "print('ok')\n"
     ) % os.path.dirname(__file__)
     _run_built_with("-mno-avx512f", kernel_cache, code)
-
-
-def _run_built_with(flags: str, cache, code: str) -> None:
-    """Run `code` in a fresh process whose kernels are built with KVFORGE_EXTRA_CFLAGS=flags; it prints 'ok'."""
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(cache))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 @pytest.mark.build

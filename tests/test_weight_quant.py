@@ -5,14 +5,13 @@ dequantized and run through torch in fp32."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from kernel_builds import run_built_with
 from kvforge.models import gguf_quant, quant_linear
 from kvforge.models.linear import Linear
 from kvforge.models.quant_linear import dequantize, pack_codes, quant_linear as qlinear, quantize
@@ -114,9 +113,7 @@ def _run_built_with(flags: str, tmp_path, expect: str) -> None:
         "check(_gguf_like(21, 70, 4, 32, 1), 7, torch.float32, bias=True)\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, KVFORGE_EXTRA_CFLAGS=flags, KVFORGE_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    run_built_with(flags, tmp_path, code)
 
 
 @pytest.mark.parametrize("flags,expect", [
@@ -159,12 +156,17 @@ def test_engine_greedy_tokens_equal_the_dequantized_fp32_model(tmp_path, method)
     quantized = llm.generate(prompts, params)
     _dequantized_in_fp32(model)
     reference = llm.generate(prompts, params)
-    for a, b in zip(quantized, reference):
+    assert_same_greedy_outputs(quantized, reference)
+
+
+def assert_same_greedy_outputs(got, reference, tol: float = 1e-4) -> None:
+    """Two runs' outputs: the same greedy tokens, and each step's top logprobs the same tokens within `tol`."""
+    for a, b in zip(got, reference, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert la.keys() == lb.keys()
             for tok, lp in la.items():
-                assert abs(lp - lb[tok]) < 1e-4
+                assert abs(lp - lb[tok]) < tol
 
 
 def test_quantization_option_errors():

@@ -1,11 +1,11 @@
-"""`kvforge eval weights`: perplexity of each weight format (none, int8, int4) against the unquantized model.
+"""`kvforge eval weights`: perplexity of each weight format (none, int8, int4, w8a8_int8) against the unquantized model.
 
 Each format is one engine load (quantized at load, as `--quantization` does) scored on the same
 windows of CPython's documentation; the table gives perplexity per context, its change against the
 first format, and the mean next-token KL divergence from it.
 
 Example:
-  kvforge eval weights                                    # default model, bf16 activations, none,int8,int4
+  kvforge eval weights                                    # default model, bf16 activations, every format
   kvforge eval weights --formats none,int8 --dtype float32 --contexts 512,1024
 """
 from __future__ import annotations

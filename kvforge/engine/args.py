@@ -45,9 +45,11 @@ class ModelOptions:
         "(the auto choice on CUDA)", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = option(False, "CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     quantization: str | None = option(
-        None, "weight-only quantization of the linear layers at load (CPU): int8 = per output channel, "
+        None, "quantization of the linear layers at load (CPU): int8 = weight-only, per output channel, "
         "int4 = groups along K (--quantization-group-size), gguf = a .gguf file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
-        "codes; activations stay in --dtype", choices=WEIGHT_QUANTIZATIONS)
+        "codes; activations stay in --dtype, except w8a8_int8 = int8's codes with activations quantized to int8 "
+        "per token (int8 x int8 products: faster batches and prefill; the lm_head keeps int8 weight-only)",
+        choices=WEIGHT_QUANTIZATIONS)
     quantization_group_size: int = option(32, "int4: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:

@@ -65,9 +65,10 @@ def run_weight_eval(make_engine: Callable[[str | None], Any], formats: list[str]
 def render_weight_table(rows: list[WeightRow], model: str, dtype: str) -> str:
     contexts = list(rows[0].perplexity)
     ref = rows[0]
-    head = f"{'weights':<8} {'MiB':>8} " + " ".join(f"{'ppl@' + str(c):>10} {'vs ref':>7}" for c in contexts)
+    width = max(8, *(len(r.format) for r in rows))
+    head = f"{'weights':<{width}} {'MiB':>8} " + " ".join(f"{'ppl@' + str(c):>10} {'vs ref':>7}" for c in contexts)
     lines = [f"weight quantization, {model}, activations {dtype}; reference: {ref.format}", head + f" {'KL':>9}"]
     for r in rows:
         cells = " ".join(f"{r.perplexity[c]:>10.3f} {r.perplexity[c] / ref.perplexity[c] - 1:>+7.2%}" for c in contexts)
-        lines.append(f"{r.format:<8} {r.weights_bytes / 2**20:>8.1f} {cells} {r.kl:>9.5f}")
+        lines.append(f"{r.format:<{width}} {r.weights_bytes / 2**20:>8.1f} {cells} {r.kl:>9.5f}")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Quantize a built model's linear layers at load (`quantization="int8" | "int4"`), tied embeddings included.
+"""Quantize a built model's linear layers at load (`quantization="int8" | "int4" | "w8a8_int8"`), tied
+embeddings included.
 
 Why here and not in the loader: the model decides which weights are linear
 layers (`Linear`), which must stay dense (`keep_dense`: MLA's absorbed
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from kvforge.models.linear import Linear
-from kvforge.models.quant_linear import QuantWeight, dequantize, pack_codes, quantize
+from kvforge.models.quant_linear import QuantWeight, dequantize, layer_method, pack_codes, quantize
 
 
 class QuantEmbedding(nn.Module):
@@ -61,11 +62,7 @@ def quantize_model(model: nn.Module, method: str, group: int | None = None,
         return attach_gguf_codes(model, path)
     done = 0
     for name, module, tied in quantizable_layers(model):
-        # int4 keeps the lm_head (and a tied embedding) in int8, as llama.cpp's Q4_K_M keeps its output
-        # matrix at 6 bits (with zero-point groups: +28.6% -> -0.2% perplexity on the default model; the
-        # two changes' separate shares were not measured)
-        qw = quantize(module.weight.detach(), "int8" if method == "int4" and name.endswith("lm_head") else method,
-                      group)
+        qw = quantize(module.weight.detach(), layer_method(method, name), group)
         attach_with_embedding(module, qw, tied)
         done += 1
     return done

@@ -4,6 +4,8 @@
  *   share torch's threads.
  * - Vector exp/tanh: `omp simd` loops may call glibc's libmvec versions without -ffast-math (a shared
  *   object built with -ffast-math would switch the whole process to flush-to-zero on load).
+ * - KVF_TEAM(tid, nth): this thread's number and its team's size inside an `omp parallel` region (0 and 1
+ *   in a build without OpenMP), as int64_t for the kernels' index arithmetic.
  * - KVF_FTZ_BEGIN / KVF_FTZ_END: flush denormals to zero in this thread for a kernel's duration, and put
  *   the mode back after. Why: peaky attention makes many probabilities underflow to denormals, and
  *   arithmetic on them takes slow microcode assists (they are below 1e-38). Use them as a pair in one
@@ -13,8 +15,12 @@
 #define KVF_OMP_H
 
 #include <math.h>
+#include <stdint.h>
 #ifdef _OPENMP
 #include <omp.h>
+#define KVF_TEAM(tid, nth) const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads()
+#else
+#define KVF_TEAM(tid, nth) const int64_t tid = 0, nth = 1
 #endif
 
 float expf(float) __attribute__((simd("notinbranch")));

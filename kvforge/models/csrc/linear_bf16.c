@@ -462,11 +462,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
 #endif
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-        const int64_t tid = 0, nth = 1;
-#endif
+        KVF_TEAM(tid, nth);
         const int64_t p0 = P * tid / nth;
         int64_t p1 = P * (tid + 1) / nth;
 #if KVF_AMX

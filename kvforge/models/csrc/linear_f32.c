@@ -493,11 +493,7 @@ void kvf_panel_linear(const float *x, int64_t M, int64_t K, const float *wp, int
     if (nthreads > P) nthreads = (int)P;
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-        const int64_t tid = 0, nth = 1;
-#endif
+        KVF_TEAM(tid, nth);
         const int64_t p0 = P * tid / nth;
         int64_t p1 = P * (tid + 1) / nth;
 #if KVF_SIMD && defined(__AVX512F__)
@@ -585,11 +581,7 @@ int kvf_panel_linear_silu_mul(const float *x, int64_t M, int64_t K, const float 
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-        const int64_t tid = 0, nth = 1;
-#endif
+        KVF_TEAM(tid, nth);
         /* this thread's gate panels [p0, p1) and their up panels [Pg + p0, Pg + p1) */
         const int64_t p0 = Pg * tid / nth, p1 = Pg * (tid + 1) / nth;
         const int64_t mc = rows_per_pass(M, K);

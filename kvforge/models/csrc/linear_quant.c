@@ -33,10 +33,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
+#include "kvf_omp.h"  /* OpenMP, KVF_TEAM */
 #include "kvf_bf16.h" /* bf16_to_f32, f32_to_bf16: the one rounding every kernel shares */
 
 #define NR 16
@@ -538,11 +536,7 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-#ifdef _OPENMP
-        const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-        const int64_t tid = 0, nth = 1;
-#endif
+        KVF_TEAM(tid, nth);
         const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
         float tile[TILE_FLOATS];
         if (M <= DECODE_ROWS) {
@@ -606,6 +600,217 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     return failed ? -1 : 0;
 }
 
+/* ---- int8 activations (`quantization="w8a8_int8"`): int8 x int8 products summed in int32 ----
+ *
+ * Why: at 8 and more rows (a batch's decode, prefill) the multiply, not the bytes, bounds an int8 linear:
+ * widening the codes to bf16 costs the bgemm path ~20% against the bf16 panels. With the activations also
+ * int8, `vpdpbusd` does 4 multiply-adds per lane and instruction where `vdpbf16ps` does 2, on the stored codes.
+ *
+ * Each row of x is quantized in groups of A8_GROUP = 32 consecutive k (symmetric): s = max|x_g| / 127,
+ * q = round(x / s) (nearest even). Per token, one scale for the whole row, took the default model's
+ * perplexity up 4-7% (its attention inputs carry a few outlier channels); groups of 32 (OpenVINO's default
+ * for dynamic quantization on CPU) hold it within 0.4%. Per group the integer dot d_g = sum_k q x code is
+ * exact; y[r][n] = ws_n x sum_g float(d_g) x s_rg, the groups added in order with one fp32 FMA each.
+ * `vpdpbusd` multiplies unsigned bytes with signed ones, so the codes become u = code + 128 (one xor per 64
+ * codes) and each group's sum starts at -128 x sum_k q instead of 0: after the group it is d_g.
+ *
+ * The stored layout is kept ([panels][K][16]): 4 consecutive k of a panel are 64 contiguous bytes, and one
+ * `vpermb` regroups them to the 4 bytes per column `vpdpbusd` reads. The fp32 sums live in a small L1 array.
+ * AVX512-VNNI + VBMI where the compiler targets them, else plain C over the same integers and FMAs (the same
+ * bits). */
+#if KVF_SIMD == 2 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define KVF_A8_VNNI 1
+#else
+#define KVF_A8_VNNI 0
+#endif
+#define A8_GROUP 32
+#define A8M 8 /* tile: up to 8 rows x 3 panels (24 int32 accumulators), or 4 rows x 4 panels */
+#define A8P 4
+#define A8_TILE (A8M * 3 > 4 * A8P ? A8M * 3 : 4 * A8P)
+typedef int32_t kvf_i32a __attribute__((may_alias, aligned(1))); /* 4 bytes of q read as one */
+
+int kvf_qlinear_a8_vnni(void) { return KVF_A8_VNNI; }
+int kvf_qlinear_a8_group(void) { return A8_GROUP; }
+
+/* Rows r0..r1 of x quantized: q [rows][K4 x 4] int8 (zero past K); per group g of A8_GROUP k, s [rows][G] and
+ * start [rows][G] = -128 x sum of the group's q. */
+static void quantize_rows_a8(const void *x, int x_bf16, int64_t r0, int64_t r1, int64_t K, int64_t K4, int64_t G,
+                             int8_t *q, float *s, int32_t *start) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *xb = (const uint16_t *)x + r * K;
+        const float *xf = (const float *)x + r * K;
+        int8_t *qr = q + r * K4 * 4;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t k0 = g * A8_GROUP, k1 = k0 + A8_GROUP < K ? k0 + A8_GROUP : K;
+#if KVF_SIMD == 2 && defined(__AVX512BW__)
+            if (k1 - k0 == 32) { /* a whole group in two vectors: the same divide, rounding and clamp */
+                __m512 v[2];
+                for (int h = 0; h < 2; h++)
+                    v[h] = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xb + k0 + 16 * h))), 16))
+                                  : _mm512_loadu_ps(xf + k0 + 16 * h);
+                const float sc = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))) / 127.0f;
+                __m512i sum = _mm512_setzero_si512();
+                for (int h = 0; h < 2; h++) {
+                    __m512i t = _mm512_setzero_si512();
+                    if (sc > 0.0f) {
+                        const __m512 d = _mm512_div_ps(v[h], _mm512_set1_ps(sc)); /* rounded as the MXCSR says: */
+                        t = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(d, _mm512_set1_ps(-127.0f)),
+                                                             _mm512_set1_ps(127.0f))); /* nearest even */
+                    }
+                    _mm_storeu_si128((__m128i *)(qr + k0 + 16 * h), _mm512_cvtepi32_epi8(t));
+                    sum = _mm512_add_epi32(sum, t);
+                }
+                s[r * G + g] = sc;
+                start[r * G + g] = -128 * _mm512_reduce_add_epi32(sum);
+                continue;
+            }
+#endif
+            float amax = 0.0f;
+            for (int64_t k = k0; k < k1; k++) {
+                const float v = x_bf16 ? bf16_to_f32(xb[k]) : xf[k];
+                const float a = v < 0 ? -v : v;
+                amax = a > amax || a != a ? a : amax; /* a NaN makes the group's scale NaN, as torch's amax does */
+            }
+            const float sc = amax / 127.0f;
+            int32_t sum = 0;
+            for (int64_t k = k0; k < k1; k++) {
+                const float v = x_bf16 ? bf16_to_f32(xb[k]) : xf[k];
+                float t = sc > 0.0f ? __builtin_nearbyintf(v / sc) : 0.0f;
+                t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);
+                qr[k] = (int8_t)t;
+                sum += qr[k];
+            }
+            s[r * G + g] = sc;
+            start[r * G + g] = -128 * sum;
+        }
+        for (int64_t k = K; k < K4 * 4; k++) qr[k] = 0;
+    }
+}
+
+/* `mr` rows of q (row stride K4 x 4 bytes) against panels p..p+np-1: out[r][c][16] = sum_g float(d_g) x s_rg. */
+INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const float *s, const int32_t *start,
+                    const qweight *w, int64_t p, int mr, int np, float *out) {
+#if KVF_A8_VNNI
+    /* byte 4c + j of the result is byte 16j + c of the 64 loaded: k = 4k4 + j of column c */
+    const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
+                                         59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8,
+                                         55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
+                                         51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    /* the fp32 sums stay in `out` (L1), not registers: the 24 int32 sums need them */
+    for (int i = 0; i < mr * np; i++) _mm512_storeu_ps(out + i * NR, _mm512_setzero_ps());
+    const int64_t full = K / 4;
+    const uint8_t *base = w->codes + p * w->pstride;
+    __m512i acc[A8M][A8P];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        const __m512i st = _mm512_set1_epi32(start[r * G]);
+#pragma GCC unroll 4
+        for (int c = 0; c < np; c++) acc[r][c] = st;
+    }
+    for (int64_t k4 = 0; k4 < K4; k4++) {
+        /* past K (the last k4 only) a zero byte, 128 after the flip, meets q = 0 */
+        const __mmask64 m = k4 < full ? ~(__mmask64)0 : (((__mmask64)1 << ((K - 4 * k4) * 16)) - 1);
+        __m512i wv[A8P];
+#pragma GCC unroll 4
+        for (int c = 0; c < np; c++)
+            wv[c] = _mm512_xor_si512(
+                _mm512_permutexvar_epi8(perm, _mm512_maskz_loadu_epi8(m, base + c * w->pstride + k4 * 64)), flip);
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512i xv = _mm512_set1_epi32(((const kvf_i32a *)(q + r * K4 * 4))[k4]);
+#pragma GCC unroll 4
+            for (int c = 0; c < np; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
+        }
+        if ((k4 + 1) % (A8_GROUP / 4) == 0 || k4 + 1 == K4) { /* the end of group g: into the fp32 sums */
+            const int64_t g = k4 / (A8_GROUP / 4);
+#pragma GCC unroll 8
+            for (int r = 0; r < mr; r++) {
+                const __m512 sv = _mm512_set1_ps(s[r * G + g]);
+                const __m512i st = _mm512_set1_epi32(g + 1 < G ? start[r * G + g + 1] : 0);
+#pragma GCC unroll 4
+                for (int c = 0; c < np; c++) {
+                    float *o = out + (r * np + c) * NR;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sv, _mm512_loadu_ps(o)));
+                    acc[r][c] = st;
+                }
+            }
+        }
+    }
+#else
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < np; c++) {
+            const int8_t *codes = (const int8_t *)w->codes + (p + c) * w->pstride;
+            for (int j = 0; j < NR; j++) {
+                float tot = 0.0f;
+                for (int64_t g = 0; g < G; g++) {
+                    int32_t d = start[r * G + g];
+                    for (int64_t k = g * A8_GROUP; k < (g + 1) * A8_GROUP && k < K; k++)
+                        d += (int32_t)q[r * K4 * 4 + k] * ((int32_t)codes[k * NR + j] + 128);
+                    tot = __builtin_fmaf((float)d, s[r * G + g], tot);
+                }
+                out[(r * np + c) * NR + j] = tot;
+            }
+        }
+    (void)K4;
+#endif
+}
+
+static void a8_block(const int8_t *q, int64_t K4, int64_t K, int64_t G, const float *s, const int32_t *start,
+                     const qweight *w, int64_t p, int mr, int np, float *out) {
+#define KVF_ACASE(R, P) \
+    case (R) * 8 + (P): a8_tile(q, K4, K, G, s, start, w, p, R, P, out); break;
+#define KVF_AROW(R) KVF_ACASE(R, 1) KVF_ACASE(R, 2) KVF_ACASE(R, 3)
+    switch (mr * 8 + np) {
+        KVF_AROW(1) KVF_AROW(2) KVF_AROW(3) KVF_AROW(4) KVF_AROW(5) KVF_AROW(6) KVF_AROW(7) KVF_AROW(8)
+        KVF_ACASE(1, 4) KVF_ACASE(2, 4) KVF_ACASE(3, 4) KVF_ACASE(4, 4)
+    default: break;
+    }
+#undef KVF_AROW
+#undef KVF_ACASE
+}
+
+/* y[M, N] = x[M, K] @ W^T (+ bias) with W int8 per output channel (scales [Np]) and x quantized as above;
+ * y in x's dtype (y = ws_n x the tile's sum, one fp32 multiply). Returns 0, or -1 when out of memory. */
+int kvf_qlinear_a8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
+                   int64_t N, const float *bias, void *y, int nthreads) {
+    const int64_t P = (N + NR - 1) / NR, K4 = (K + 3) / 4, G = (K + A8_GROUP - 1) / A8_GROUP;
+    const qweight w = {codes, scales, NULL, K, K, N, P * NR, K, K * NR, 8};
+    int8_t *q = (int8_t *)malloc((size_t)(M * K4 * 4));
+    float *s = (float *)malloc((size_t)(M * G) * sizeof(float));
+    int32_t *start = (int32_t *)malloc((size_t)(M * G) * sizeof(int32_t));
+    if (!q || !s || !start) {
+        free(q), free(s), free(start);
+        return -1;
+    }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > P) nthreads = (int)P;
+    const size_t ysz = x_bf16 ? 2 : 4;
+#pragma omp parallel num_threads(nthreads)
+    {
+        KVF_TEAM(tid, nth);
+        quantize_rows_a8(x, x_bf16, M * tid / nth, M * (tid + 1) / nth, K, K4, G, q, s, start);
+#pragma omp barrier
+        const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
+        const int rows = M <= 4 ? (int)M : A8M, per = rows <= 4 ? 4 : 3;
+        float tile[A8_TILE * NR];
+        for (int64_t p = p0; p < p1; p += per) {
+            const int np = (int)(p1 - p < per ? p1 - p : per);
+            for (int64_t i = 0; i < M; i += rows) {
+                const int mr = (int)(M - i < rows ? M - i : rows);
+                a8_block(q + i * K4 * 4, K4, K, G, s + i * G, start + i * G, &w, p, mr, np, tile);
+                for (int r = 0; r < mr; r++)
+                    for (int c = 0; c < np; c++)
+                        for (int j = 0; j < NR; j++) tile[(r * np + c) * NR + j] *= scales[(p + c) * NR + j];
+                write_rows(tile, mr, np, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, p * NR, bias);
+            }
+        }
+    }
+    free(q), free(s), free(start);
+    return 0;
+}
+
 /* One quantized weight as the fused decode layers (decode_layers.c) hold it: everything `kvf_qlinear` takes
  * about W, so the loop can call it through one pointer per matmul. */
 typedef struct {
@@ -613,10 +818,12 @@ typedef struct {
     const float *scales, *offsets;
     int64_t group;
     int64_t bits;
+    int64_t act8; /* 1: int8 activations in groups along K (`kvf_qlinear_a8`; int8 per channel only) */
 } kvf_qdesc;
 
 int kvf_qlinear_desc(const void *x, int x_bf16, int64_t M, int64_t K, const void *desc, int64_t N, void *y,
                      int nthreads) {
     const kvf_qdesc *d = (const kvf_qdesc *)desc;
+    if (d->act8) return kvf_qlinear_a8(x, x_bf16, M, K, d->codes, d->scales, N, NULL, y, nthreads);
     return kvf_qlinear(x, x_bf16, M, K, d->codes, (int)d->bits, d->scales, d->offsets, d->group, N, NULL, y, nthreads);
 }
