@@ -50,10 +50,12 @@ def test_fused_steps_equal_the_python_layers_bitwise(tiny_model_factory, monkeyp
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kwargs", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8", "kv_cache_scale": "head"},
-                                    {"k_cache_dtype": "auto", "v_cache_dtype": "fp8_e5m2"}],
-                         ids=["int8-token", "fp8-head", "split"])
+                                    {"k_cache_dtype": "auto", "v_cache_dtype": "fp8_e5m2"},
+                                    {"kv_cache_dtype": "int8", "kv_cache_scale": "channel"}],
+                         ids=["int8-token", "fp8-head", "split", "int8-channel"])
 def test_fused_steps_over_8bit_caches_equal_the_python_layers_bitwise(tiny_model_factory, monkeypatch, dtype, kwargs):
-    """8-bit caches are written by the same C quantizer the stores use, and read by the same decode kernel."""
+    """8-bit caches are written by the same C quantizer the stores use, and read by the same decode kernel
+    (int8 K per channel too: its running per-block maximum, rescales and block starts in the C loop)."""
     backend = "panel"
     if dtype == "bfloat16" and not panel_linear.simd(torch.bfloat16):
         pytest.skip("bf16 weights get a panel layout only on AVX512-BF16 CPUs")
@@ -83,11 +85,11 @@ def test_fused_steps_over_quantized_weights_equal_the_python_layers_bitwise(tiny
 
 
 def test_steps_outside_its_reach_run_the_python_layers(tiny_model_factory, monkeypatch):
-    """int4 and per-channel caches, KV eviction's attention scoring, and oneDNN-only weights: never served
+    """int4 and fp8 per-channel caches, KV eviction's attention scoring, and oneDNN-only weights: never served
     (prefill steps never are either: served counts decode steps only)."""
     path, _ = tiny_model_factory("llama_d64")
     for backend, kwargs in (("panel", {"kv_cache_dtype": "int4"}),
-                            ("panel", {"kv_cache_dtype": "int8", "kv_cache_scale": "channel"}),
+                            ("panel", {"kv_cache_dtype": "fp8", "kv_cache_scale": "channel"}),
                             ("panel", {"kv_eviction": "h2o", "kv_budget": 32}),
                             ("onednn", {})):
         _, _, served = _run(path, monkeypatch, True, "float32", backend, 8, **kwargs)

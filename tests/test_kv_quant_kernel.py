@@ -82,3 +82,61 @@ def test_out_of_range_slots_are_refused():
     codes = torch.zeros(8, 1, 4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="out of range"):
         quant_kernel.quantize_rows(torch.ones(1, 1, 4), torch.tensor([8]), codes, torch.zeros(8), "int8", "token")
+
+
+def _channel_write_sequence(g, dtype):
+    """(slots, rows) writes into an 8-block x 16-slot pool as a run would make them: a prefill chunk over
+    several blocks of two sequences (rows of a block not all adjacent), then decode rows one or three at
+    a time whose values grow (scales must grow and codes be requantized), some reaching a new block, and a
+    recycled block written again from its first slot with smaller values (its scales must reset)."""
+    seq_a, seq_b = [2, 5, 7], [1, 6]
+    chunk = [b * 16 + i for b in seq_a for i in range(16)][:40] + [b * 16 + i for b in seq_b for i in range(16)][:20]
+    order = torch.randperm(len(chunk), generator=g)  # a block's rows scattered through the call
+    writes = [(torch.tensor(chunk)[order], torch.randn(len(chunk), 3, 64, generator=g))]
+    pos_a, pos_b = 40, 20
+    for step in range(24):
+        a = seq_a[pos_a // 16] * 16 + pos_a % 16 if pos_a < 48 else None
+        rows = [a] if a is not None else []
+        if step % 3 == 0:
+            rows.append(seq_b[pos_b // 16] * 16 + pos_b % 16)
+            pos_b += 1
+        pos_a += 1
+        growth = 1.0 + 0.3 * (step % 5)
+        if rows:
+            writes.append((torch.tensor(rows), torch.randn(len(rows), 3, 64, generator=g) * growth))
+    writes.append((torch.tensor([5 * 16, 5 * 16 + 1]), torch.randn(2, 3, 64, generator=g) * 0.01))  # block 5 reused
+    writes.append((torch.tensor([3 * 16 + 4]), torch.zeros(1, 3, 64)))  # an all-zero row: the floor scale
+    return [(s, x.to(dtype)) for s, x in writes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_per_channel_writes_are_the_torch_stores_bitwise(dtype, monkeypatch):
+    """int8 K with per-channel scales (KIVI): the C pass keeps the same running per-block maximum as
+    `QuantStore._write_channel` in torch: block starts reset, grown scales requantize the block's codes,
+    bit for bit in codes and scales after every write of a prefill-then-decode sequence."""
+    g = torch.Generator().manual_seed(1)
+    fmt = quant.get_format("int8")
+    fast, slow = (QuantStore(8, 16, 3, 64, fmt, "channel", "cpu") for _ in range(2))
+    calls = []
+    real = quant_kernel.quantize_rows
+
+    def spy(*a, **k):
+        calls.append(k.get("block_size"))
+        return real(*a, **k)
+
+    for slots, x in _channel_write_sequence(g, dtype):
+        monkeypatch.setattr("kvforge.kv.storage.k_or_v_stores.quantize_rows", spy)
+        fast.write(slots, x)
+        monkeypatch.setattr("kvforge.kv.storage.k_or_v_stores.quantize_rows", lambda *a, **k: False)
+        slow.write(slots, x)
+        assert torch.equal(fast.block_scales, slow.block_scales)
+        assert torch.equal(fast.data, slow.data)
+    assert calls and set(calls) == {16}
+    assert bool((slow.block_scales[5] < 0.01).all())  # the reused block's scales did reset
+
+
+def test_fp8_per_channel_keeps_the_torch_path():
+    x = torch.randn(2, 1, 8)
+    codes, scales = torch.zeros(32, 1, 8, dtype=torch.uint8), torch.zeros(2, 1, 8)
+    assert not quant_kernel.quantize_rows(x, torch.tensor([0, 1]), codes, scales, "fp8_e4m3", "channel", block_size=16)
+    assert quant_kernel.quantize_rows(x, torch.tensor([0, 1]), codes, scales, "int8", "channel", block_size=16)

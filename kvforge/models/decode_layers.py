@@ -10,8 +10,8 @@ as they were.
 
 It applies to steps of decode rows only, no more rows than the panel kernels take (all of them with
 `KVFORGE_LINEAR=panel`, `PANEL_DECODE_ROWS` with `both`), fp32 or bf16, KV caches in the compute dtype
-or 8-bit ones (int8, fp8; per-token, per-head or set per-tensor scales: written by the same C
-quantizer the stores use), read by the CPU decode kernel, one metadata for every layer, no attention-mass scoring (KV eviction), and models
+or 8-bit ones (int8, fp8; per-token, per-head or set per-tensor scales, and int8 K per channel: written
+by the same C quantizer the stores use), read by the CPU decode kernel, one metadata for every layer, no attention-mass scoring (KV eviction), and models
 whose layers are plain `LlamaDecoderLayer`s: packed q|k|v and gate|up without biases, SiLU, no q/k
 norm, no MoE. The four matmuls of every layer are panel weights of the compute dtype, or all of them
 weight-only int8 / int4 codes (`quantization=`, run by `quant_linear`'s kernel, as the Python layers
@@ -216,6 +216,8 @@ def _write_for(store_or_pool, dtype: torch.dtype) -> _Write | None:
         return _Write(data.data_ptr(), None, 0, 0, 0.0) if data.dtype == dtype else None
     gran = store_or_pool.granularity
     if fmt.name not in quant_kernel.FORMAT_CODES or gran not in quant_kernel.GRANULARITY_CODES:
+        return None
+    if gran == "channel" and fmt.name not in quant_kernel.CHANNEL_FORMATS:
         return None
     if gran == "tensor":
         if store_or_pool.static_scale is None:

@@ -83,8 +83,9 @@ def loss_at(fmt: KVCacheFormat, context: int) -> CurvePoint | None:
 
 # Each dtype's quality target (issue 45): the default is the cheapest scale layout that meets it.
 TARGET_PCT = {"fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "int8": 0.5}
-SCALE_COST_ORDER = ("token", "head")  # fewest scale bytes first; tensor is static, and channel (K-only) runs
-# its writes in torch outside the fused decode call: 0.44x decode speed (benchmarks/kv_scale_decode.py)
+# Fewest scale bytes first: token 4 B a token, head 4 B per KV head, channel (K only) 4 B per K channel per
+# block, H x D / 4 B a token at 16-token blocks; tensor is static, not chosen by this rule.
+SCALE_COST_ORDER = ("token", "head", "channel")
 
 
 def measured_default_scale(dtype: str, context: int) -> str | None:

@@ -132,6 +132,9 @@ class QuantStore:
         scales_flat.index_copy_(0, slots, scale)
 
     def _write_channel(self, slots: torch.Tensor, x: torch.Tensor) -> None:
+        flat = self.data.view(-1, *self.data.shape[2:])
+        if quantize_rows(x, slots, flat, self.block_scales, self.fmt.name, "channel", block_size=self.block_size):
+            return  # int8 on the CPU: the same steps below in one C pass, the same bits
         blocks = slots // self.block_size
         self.block_scales[blocks[slots % self.block_size == 0]] = 0.0  # a block starts: forget the previous owner
         uniq, inv = torch.unique(blocks, return_inverse=True)

@@ -32,8 +32,9 @@ typedef void (*rms_norm_fn)(const void *x, int64_t x_stride, const void *w, void
 typedef void (*rotary_fn)(const void *x, int64_t x_stride, const void *cos_, const void *sin_, void *out, int64_t T,
                           int64_t H, int64_t D, int code);
 typedef void (*silu_mul_fn)(const void *gu, void *out, int64_t T, int64_t I, int code);
-typedef void (*quantize_fn)(const void *x, int64_t N, int64_t H, int64_t D, int code, int fmt, int gran,
-                            float static_scale, const int64_t *slots, uint8_t *codes, float *scales);
+typedef int (*quantize_fn)(const void *x, int64_t N, int64_t H, int64_t D, int code, int fmt, int gran,
+                           float static_scale, int64_t block_size, const int64_t *slots, uint8_t *codes,
+                           float *scales);
 typedef int (*decode_fn)(const void *q, const void *K, const void *V, const int64_t *tables, const int64_t *seq_lens,
                          void *out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t DV, int64_t BS,
                          int64_t MAXNB, int64_t window, float scale, float softcap, int dtype_code);
@@ -49,7 +50,8 @@ typedef struct {
 } kvf_layer_fns;
 
 /* How one of K/V is written: fmt 0 copies rows of the compute dtype; 3/4/5 (fp8 e4m3, e5m2, int8) quantize
- * them with `gran` scales (1 tensor with `static_scale`, 2 token, 3 head) as the store's write does. */
+ * them with `gran` scales (1 tensor with `static_scale`, 2 token, 3 head, 4 channel: int8 K with a running
+ * maximum per block) as the store's write does. */
 typedef struct {
     void *data;
     float *scales;
@@ -86,15 +88,17 @@ static int linear(const kvf_layer_fns *fn, const void *x, int64_t M, int64_t K, 
     return 0;
 }
 
-/* Rows x [M, H, D] (compute dtype) into the pool at their slots, copied or quantized. */
-static void write_rows(const kvf_layer_fns *fn, const kvf_write *w, const char *x, int64_t M, int64_t H, int64_t D,
-                       const int64_t *slots, int code) {
+/* Rows x [M, H, D] (compute dtype) into the pool at their slots, copied or quantized; nonzero: the quantizer
+ * could not allocate its scratch. */
+static int write_rows(const kvf_layer_fns *fn, const kvf_write *w, const char *x, int64_t M, int64_t H, int64_t D,
+                      const int64_t *slots, int64_t BS, int code) {
     const size_t row = (size_t)(H * D) * (code == 0 ? 4 : 2);
     if (w->fmt == 0) {
         for (int64_t r = 0; r < M; r++) memcpy((char *)w->data + slots[r] * row, x + r * row, row);
-        return;
+        return 0;
     }
-    fn->quantize(x, M, H, D, code, w->fmt, w->gran, w->static_scale, slots, (uint8_t *)w->data, w->scales);
+    return fn->quantize(x, M, H, D, code, w->fmt, w->gran, w->static_scale, BS, slots, (uint8_t *)w->data,
+                        w->scales);
 }
 
 /* x [M, hidden] (updated in place) through L layers. cos/sin [M, D]; slots [M]: where each row's K/V go;
@@ -118,8 +122,11 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
         fn->rotary(qkv + qsz * esz, nqkv, cos_, sin_, k, M, HKV, D, code);
         /* the cache write: rotated K, and V as the matmul left it (gathered into rows for a quantizer) */
         for (int64_t r = 0; r < M; r++) memcpy(v + r * kvsz * esz, qkv + (r * nqkv + qsz + kvsz) * esz, kvsz * esz);
-        write_rows(fn, &ly->k_write, k, M, HKV, D, slots, code);
-        write_rows(fn, &ly->v_write, v, M, HKV, D, slots, code);
+        if (write_rows(fn, &ly->k_write, k, M, HKV, D, slots, BS, code) ||
+            write_rows(fn, &ly->v_write, v, M, HKV, D, slots, BS, code)) {
+            rc = -1;
+            break;
+        }
         rc = fn->decode(q, ly->k_view, ly->v_view, tables, seq_lens, att, M, H, HKV, D, D, BS, MAXNB, ly->window,
                         scale, 0.f, code);
         if (rc) break;
