@@ -418,7 +418,7 @@ def openvino_models(args: argparse.Namespace) -> dict[str, str]:
     return {quant: folder for quant, folder in given.items() if folder}
 
 
-QUANTIZATIONS = ("none", "int8", "int4", "w8a8_int8", "gguf")  # kvforge's weight formats (`quantization=`; none: the model dtype)
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8_int8", "w4a8", "gguf")  # kvforge's weight formats (`quantization=`; none: the model dtype)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,14 +27,20 @@ ROWS = (1, 2, 3, 4, 5, 8, 9, 13, 32, 130)
 SHAPES = [(37, 130), (16, 64), (53, 257), (1, 33), (20, 6), (48, 1027)]  # every K mod 4, N not a panel multiple
 
 
-def _exact(qw: quant_linear.QuantWeight, rows: int, dtype: torch.dtype, seed: int, bias: bool = False) -> None:
+def exact_against(reference, qw: quant_linear.QuantWeight, rows: int, dtype: torch.dtype, seed: int,  # type: ignore[no-untyped-def]
+                  bias: bool = False) -> None:
+    """The kernel's output for random rows of scale-varying x equals `reference`'s bit for bit."""
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, qw.k, generator=g) * torch.rand(rows, 1, generator=g) * 3).to(dtype)
     b = torch.randn(qw.n, generator=g) if bias else None
     y = qlinear(x, qw, b)
-    ref = reference_a8(x, qw, b)
+    ref = reference(x, qw, b)
     assert y.dtype == dtype and y.shape == (rows, qw.n)
     assert torch.equal(y, ref), f"rows={rows}: max diff {(y.float() - ref.float()).abs().max().item():.3g}"
+
+
+def _exact(qw: quant_linear.QuantWeight, rows: int, dtype: torch.dtype, seed: int, bias: bool = False) -> None:
+    exact_against(reference_a8, qw, rows, dtype, seed, bias)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -96,9 +102,9 @@ def test_reference_error_is_what_the_two_quantizations_allow():
     assert (y - exact).abs().max() > 0  # and it is a quantized result, not the exact one
 
 
-def test_pack_refuses_grouped_or_int4_codes():
+def test_pack_refuses_grouped_int8_or_odd_int4_groups():
     with pytest.raises(ValueError, match="int8 activations take int8 codes per output channel"):
-        pack_codes(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), torch.zeros(4, 2), 4, 32, act_int8=True)
+        pack_codes(torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 4), torch.zeros(4, 4), 4, 16, act_int8=True)
     with pytest.raises(ValueError, match="per output channel"):
         pack_codes(torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 2), None, 8, 32, act_int8=True)
 
@@ -122,10 +128,12 @@ def test_builds_without_vnni_give_the_same_bits(kernel_cache, flags):
     run_built_with(flags, kernel_cache, code)
 
 
-def test_engine_greedy_tokens_equal_the_torch_reference(tmp_path, monkeypatch):
-    """Every w8a8 layer (prefill, decode, the fused decode layers) computes `reference_a8`: the engine's greedy
-    tokens and logprobs equal those of the same codes run through torch, layer by layer. The lm_head stays
-    int8 with fp32 activations (`layer_method`)."""
+def engine_matches_reference(tmp_path, monkeypatch, quantization: str, reference_fn, weight_only_fn, describe_text: str,
+                             **engine_kwargs) -> None:
+    """An engine with `quantization` (int8 activations) gives the greedy tokens and logprobs of the same codes
+    with every such layer computed by `reference_fn` in torch (prefill, decode and the fused decode layers
+    against Python layers); the lm_head stays weight-only int8 (`layer_method`). And the activations'
+    quantization is real: with each such layer computed by `weight_only_fn` the logprobs move."""
     from tiny_models import build_tiny_model
 
     from kvforge import LLM, SamplingParams
@@ -133,36 +141,39 @@ def test_engine_greedy_tokens_equal_the_torch_reference(tmp_path, monkeypatch):
     from kvforge.models.weight_quant import describe
 
     build_tiny_model(str(tmp_path), "llama_d64", num_hidden_layers=2, intermediate_size=200)
-    llm = LLM(model=str(tmp_path), dtype="float32", quantization="w8a8_int8", enable_prefix_caching=False,
-              log_ledger=False, num_kv_blocks=64)
+    llm = LLM(model=str(tmp_path), dtype="float32", quantization=quantization, enable_prefix_caching=False,
+              log_ledger=False, num_kv_blocks=64, **engine_kwargs)
     model = llm.engine.model
     layers = {name: m.quant_weight for name, m in model.named_modules()
               if isinstance(m, Linear) and m.quant_weight is not None}
     assert len(layers) == 4 * 2 + 1
-    assert not layers["lm_head"].act_int8 and all(qw.act_int8 for name, qw in layers.items() if name != "lm_head")
-    assert "int8 per channel x int8 activations g32 x8" in describe(model)
+    assert layers["lm_head"].bits == 8 and not layers["lm_head"].act_int8
+    assert all(qw.act_int8 for name, qw in layers.items() if name != "lm_head")
+    assert describe_text in describe(model)
     prompts = ["hello there, quantized world", "abc" * 20]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
     got = llm.generate(prompts, params)
 
     kernel = linear_module.quant_linear
 
-    def torch_a8(x, qw, bias=None):
-        if not qw.act_int8:
-            return kernel(x, qw, bias)
-        return reference_a8(x, qw, bias)
+    def through(fn):  # type: ignore[no-untyped-def]
+        return lambda x, qw, bias=None: fn(x, qw, bias) if qw.act_int8 else kernel(x, qw, bias)
 
-    monkeypatch.setattr(linear_module, "quant_linear", torch_a8)
+    monkeypatch.setattr(linear_module, "quant_linear", through(reference_fn))
     monkeypatch.setenv("KVFORGE_FUSED_LAYERS", "0")  # every decode step through Linear.forward
-    reference = llm.generate(prompts, params)
-    assert_same_greedy_outputs(got, reference)
-    # and the activations' quantization is real: the same codes read with fp32 activations decode otherwise
-    for m in model.modules():
-        if isinstance(m, Linear) and m.quant_weight is not None:
-            m.quant_weight = replace(m.quant_weight, act_int8=False)
+    assert_same_greedy_outputs(got, llm.generate(prompts, params))
+    monkeypatch.setattr(linear_module, "quant_linear", through(weight_only_fn))
     weight_only = llm.generate(prompts, params)
     assert any(abs(lp - lb.get(tok, 0.0)) > 1e-4 for a, b in zip(got, weight_only)
                for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs) for tok, lp in la.items())
+
+
+def test_engine_greedy_tokens_equal_the_torch_reference(tmp_path, monkeypatch):
+    """Every w8a8 layer computes `reference_a8`; the same codes read with the model's activations (weight-only
+    int8) decode otherwise."""
+    engine_matches_reference(tmp_path, monkeypatch, "w8a8_int8", reference_a8,
+                             lambda x, qw, bias: qlinear(x, replace(qw, act_int8=False), bias),
+                             "int8 per channel x int8 activations g32 x8")
 
 
 def test_option_is_accepted_and_checked():

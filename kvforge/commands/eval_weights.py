@@ -1,4 +1,4 @@
-"""`kvforge eval weights`: perplexity of each weight format (none, int8, int4, w8a8_int8) against the unquantized model.
+"""`kvforge eval weights`: perplexity of each weight format (none, int8, int4, w8a8_int8, w4a8) against the unquantized model.
 
 Each format is one engine load (quantized at load, as `--quantization` does) scored on the same
 windows of CPython's documentation; the table gives perplexity per context, its change against the

@@ -48,9 +48,9 @@ class ModelOptions:
         None, "quantization of the linear layers at load (CPU): int8 = weight-only, per output channel, "
         "int4 = groups along K (--quantization-group-size), gguf = a .gguf file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
         "codes; activations stay in --dtype, except w8a8_int8 = int8's codes with activations quantized to int8 "
-        "per token (int8 x int8 products: faster batches and prefill; the lm_head keeps int8 weight-only)",
+        "per row in groups of 32 k (int8 x int8 products: faster batches and prefill), w4a8 = int4's groups (a multiple of 32) read with those int8 activations (the fastest single stream); the lm_head keeps int8 weight-only",
         choices=WEIGHT_QUANTIZATIONS)
-    quantization_group_size: int = option(32, "int4: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
+    quantization_group_size: int = option(32, "int4 / w4a8: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *SUPPORTED_DTYPES):

@@ -33,6 +33,7 @@ DEFAULT_INT4_GROUP = 32
 A8_GROUP = 32  # int8 activations: k per scale (kvf_qlinear_a8_group)
 NR = 16  # output columns per panel (kvf_qlinear_nr)
 _ROWS_PER_CHUNK = 4096  # quantize this many output rows at a time: fp32 temporaries stay small
+ACT_INT8_METHODS = ("w8a8_int8", "w4a8")  # `quantization=` values whose activations are quantized to int8
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -44,6 +45,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvf_qlinear_simd.argtypes = []
     lib.kvf_qlinear_a8.restype = _C
     lib.kvf_qlinear_a8.argtypes = [_P, _C, _I, _I, _P, _P, _I, _P, _P, _C]
+    lib.kvf_qlinear_a8w4.restype = _C
+    lib.kvf_qlinear_a8w4.argtypes = [_P, _C, _I, _I, _P, _P, _P, _I, _I, _P, _P, _C]
     lib.kvf_qlinear_a8_vnni.restype = _C
     lib.kvf_qlinear_a8_vnni.argtypes = []
     lib.kvf_qlinear_a8_group.restype = _C
@@ -81,9 +84,12 @@ class QuantWeight:
     int4: codes [panels, ceil(K/2), 16] bytes of two nibbles (low: even k), w = nibble x scale + offset
     (a zero point: offset = -zero x scale; GGUF's Q4_0 has offset = -8 x scale, Q4_K its min).
     scales / offsets: [ceil(K / group), panels x 16] fp32.
-    act_int8: the activations are quantized too, to int8 per row in groups of `A8_GROUP` k
-    (`quantization="w8a8_int8"`; int8 per channel only): the products are int8 x int8, summed in int32 per
-    group (`reference_a8` says what is computed)."""
+    act_int8: the activations are quantized too, to int8 per row in groups of `A8_GROUP` k: the products
+    are integer, summed in int32 per group. int8 per channel (`quantization="w8a8_int8"`, `reference_a8` says
+    what is computed) keeps int8's layout; int4 (`quantization="w4a8"`, `reference_a8w4`) has its own:
+    codes [panels, ceil(K/8), 16, 4] bytes, byte b of a column at k8 holding k = 8 k8 + b in its low nibble
+    and k = 8 k8 + 4 + b in its high one, so that `vpdpbusd` reads 4 consecutive k per column as stored;
+    its scales and offsets are fp16."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -96,11 +102,13 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = self.offsets.numel() * 4 if self.offsets is not None else 0
-        return self.codes.numel() + self.scales.numel() * 4 + extra
+        extra = self.offsets.numel() * self.offsets.element_size() if self.offsets is not None else 0
+        return self.codes.numel() + self.scales.numel() * self.scales.element_size() + extra
 
     @property
     def describe(self) -> str:
+        if self.act_int8 and self.bits == 4:
+            return f"int4 g{self.group} x int8 activations g{A8_GROUP}"
         if self.act_int8:
             return f"int8 per channel x int8 activations g{A8_GROUP}"
         return "int8 per channel" if self.bits == 8 and self.group >= self.k else f"int{self.bits} g{self.group}"
@@ -117,8 +125,9 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
     if bits not in (8, 4) or codes.dim() != 2:
         raise ValueError(f"pack_codes takes 2-D int8 or int4 codes, got bits={bits}, shape {tuple(codes.shape)}")
     n, k = codes.shape
-    if act_int8 and (bits != 8 or group < k):
-        raise ValueError(f"int8 activations take int8 codes per output channel, got bits={bits}, group={group}")
+    if act_int8 and not ((bits == 8 and group >= k) or (bits == 4 and group % A8_GROUP == 0)):
+        raise ValueError(f"int8 activations take int8 codes per output channel or int4 codes in groups of a "
+                         f"multiple of {A8_GROUP}, got bits={bits}, group={group}")
     groups = -(-k // group)
     if bits == 4 and (group % 2 or offsets is None):
         raise ValueError("int4 codes need an even group size and offsets")
@@ -129,6 +138,12 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
         padded = torch.zeros(npad, k, dtype=torch.int8)
         padded[:n] = codes
         packed = padded.view(-1, NR, k).transpose(1, 2).contiguous().view(torch.uint8)  # [panels, K, 16]
+    elif act_int8:  # w4a8: [panels, K8, 16, 4], byte b: k = 8 k8 + b (low nibble), 8 k8 + 4 + b (high)
+        k8 = -(-k // 8)
+        padded = torch.zeros(npad, k8 * 8, dtype=torch.uint8)
+        padded[:n, :k] = codes
+        halves = padded.view(npad, k8, 2, 4)
+        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(-1, NR, k8, 4).transpose(1, 2).contiguous()
     else:
         kp = k + k % 2
         padded = torch.zeros(npad, kp, dtype=torch.uint8)
@@ -136,9 +151,12 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
         pairs = padded[:, 0::2] | (padded[:, 1::2] << 4)  # [Np, K2]: low nibble even k
         packed = pairs.view(-1, NR, kp // 2).transpose(1, 2).contiguous()  # [panels, K2, 16]
 
+    # w4a8 keeps scales and offsets in fp16 (as GGUF does): 4 bytes a group instead of 8
+    scale_dtype = torch.float16 if act_int8 and bits == 4 else torch.float32
+
     def by_group(t: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(groups, npad, dtype=torch.float32)
-        out[:, :n] = t.t().float()
+        out = torch.zeros(groups, npad, dtype=scale_dtype)
+        out[:, :n] = t.t().to(scale_dtype)
         return out
 
     return QuantWeight(packed, by_group(scales), by_group(offsets) if offsets is not None else None, n, k, bits, group,
@@ -148,16 +166,17 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
 def layer_method(quantization: str, layer_name: str) -> str:
     """The format the layer `layer_name` gets under `quantization`. The lm_head stays int8 with activations in
     the model dtype under int4 (as llama.cpp's Q4_K_M keeps its output matrix at 6 bits: with zero-point
-    groups, +28.6% -> -0.2% perplexity on the default model) and under w8a8_int8 (the logits are what sampling
-    and logprobs read; vLLM's and SGLang's W8A8 checkpoints leave the lm_head unquantized)."""
-    if quantization in ("int4", "w8a8_int8") and layer_name.rpartition(".")[2] == "lm_head":
+    groups, +28.6% -> -0.2% perplexity on the default model) and under w8a8_int8 and w4a8 (the logits are what
+    sampling and logprobs read; vLLM's and SGLang's W8A8 checkpoints leave the lm_head unquantized)."""
+    if quantization in ("int4", "w8a8_int8", "w4a8") and layer_name.rpartition(".")[2] == "lm_head":
         return "int8"
     return quantization
 
 
 def quantize(weight: torch.Tensor, method: str, group: int | None = None) -> QuantWeight:
-    """`quantize_rows`' codes laid out in panels ("w8a8_int8": int8's codes, read with int8 activations)."""
-    return pack_codes(*quantize_rows(weight, method, group), act_int8=method == "w8a8_int8")
+    """`quantize_rows`' codes laid out in panels ("w8a8_int8" / "w4a8": int8's / int4's codes, read with int8
+    activations)."""
+    return pack_codes(*quantize_rows(weight, method, group), act_int8=method in ACT_INT8_METHODS)
 
 
 def quantize_rows(weight: torch.Tensor, method: str, group: int | None = None
@@ -185,11 +204,13 @@ def quantize_rows(weight: torch.Tensor, method: str, group: int | None = None
             codes[r0:r0 + len(w)] = w.div_(torch.where(s > 0, s, 1.0)).round_().clamp_(-127, 127).to(torch.int8)
             scales[r0:r0 + len(w)] = s
         return codes, scales, None, 8, group
-    if method != "int4":
+    if method not in ("int4", "w4a8"):
         raise ValueError(f"quantization must be one of {WEIGHT_QUANTIZATIONS}, got {method!r}")
     group = group or DEFAULT_INT4_GROUP
     if group % 2 or group < 2:
         raise ValueError(f"int4 group size must be even, got {group}")
+    if method == "w4a8" and group % A8_GROUP:
+        raise ValueError(f"w4a8 group size must be a multiple of {A8_GROUP}, got {group}")
     groups = -(-k // group)
     kpad = groups * group
     codes = torch.empty(n, k, dtype=torch.uint8)
@@ -202,6 +223,11 @@ def quantize_rows(weight: torch.Tensor, method: str, group: int | None = None
         lo = torch.nan_to_num(wg, nan=float("inf")).amin(dim=2, keepdim=True)  # the padding takes no part
         hi = torch.nan_to_num(wg, nan=float("-inf")).amax(dim=2, keepdim=True)
         s = (hi - lo) / 15.0
+        if method == "w4a8":  # stored in fp16: the codes are made against the rounded scale and offset
+            s, lo = s.half().float(), lo.half().float()
+            if not (bool(torch.isfinite(s).all()) and bool(torch.isfinite(lo).all())):
+                raise ValueError("w4a8 keeps scales and offsets in fp16: this weight has values beyond fp16's range "
+                                 "(or not finite); use int4")
         u = torch.round((wg - lo) / torch.where(s > 0, s, 1.0)).clamp_(0, 15)
         codes[r0:r0 + rows] = torch.nan_to_num(u, nan=0.0).to(torch.uint8).view(rows, kpad)[:, :k]
         scales[r0:r0 + rows], offsets[r0:r0 + rows] = s.squeeze(2), lo.squeeze(2)
@@ -211,6 +237,12 @@ def quantize_rows(weight: torch.Tensor, method: str, group: int | None = None
 def _unpanel(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Codes back to [N or len(rows), K] (int8 as int8, int4 as uint8 nibbles)."""
     c = qw.codes
+    if qw.bits == 4 and qw.act_int8:  # [panels, K8, 16, 4]
+        if rows is None:
+            b4 = c.transpose(1, 2).reshape(-1, c.shape[1], 4)[:qw.n]
+        else:
+            b4 = c[rows // NR, :, rows % NR, :]
+        return torch.stack((b4 & 15, b4 >> 4), dim=2).reshape(len(b4), -1)[:, :qw.k]
     if rows is None:
         if qw.bits == 8:
             return c.view(torch.int8).transpose(1, 2).reshape(-1, qw.k)[:qw.n]
@@ -251,6 +283,14 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
     if m == 0:
         return y.view(*lead, qw.n)
     b = bias.detach().float().contiguous() if bias is not None else None
+    if qw.act_int8 and qw.bits == 4:
+        rc = lib.kvf_qlinear_a8w4(x2.data_ptr(), int(x.dtype == torch.bfloat16), m, qw.k, qw.codes.data_ptr(),
+                                  qw.scales.data_ptr(), qw.offsets.data_ptr(), qw.group, qw.n,
+                                  b.data_ptr() if b is not None else None, y.data_ptr(),
+                                  num_threads or torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("the int4 x int8-activation linear kernel could not allocate its buffers")
+        return y.view(*lead, qw.n)
     if qw.act_int8:
         rc = lib.kvf_qlinear_a8(x2.data_ptr(), int(x.dtype == torch.bfloat16), m, qw.k, qw.codes.data_ptr(),
                                 qw.scales.data_ptr(), qw.n, b.data_ptr() if b is not None else None, y.data_ptr(),
@@ -296,4 +336,36 @@ def reference_a8(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
     y = tot * qw.scales[0, :qw.n][None, :]
     if bias is not None:
         y = y + bias.float()
+    return y.to(x.dtype).view(*lead, qw.n)
+
+
+def reference_a8w4(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `quant_linear` computes for an int4 `act_int8` weight (`quantization="w4a8"`), in torch. Per
+    activation group h of `A8_GROUP` k, the exact integer dot d_h of a row's int8 activations with the nibbles
+    u; per weight group g (scale s, offset o): gacc = fma(float(d_h), a_h, gacc) over g's h in order, then
+    tot = fma(gacc, s, tot) and tot = fma(X_g, o, tot), X_g the fp32 sum in order of a_h x sum(q_h) over g's h;
+    as the kernel's fp32 FMAs do; + bias, rounded to x's dtype. That is sum_k (u_k s + o) x (q_k a_h): the
+    dequantized weights times the dequantized activations."""
+    lead = x.shape[:-1]
+    q, s = quantize_activations(x.reshape(-1, qw.k))
+    codes = _unpanel(qw).double()
+    sw, ow = qw.scales[:, :qw.n].float(), qw.offsets[:, :qw.n].float()  # fp16, exact in fp32
+    m = q.shape[0]
+    tot = torch.zeros(m, qw.n, dtype=torch.float32)
+
+    def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (a.double() * b.double() + c.double()).float()  # a x b exact in float64 (24 + 24 bits)
+
+    per = qw.group // A8_GROUP
+    for g in range(-(-qw.k // qw.group)):
+        gacc = torch.zeros_like(tot)
+        xs = torch.zeros(m, dtype=torch.float32)
+        for h in range(g * per, min((g + 1) * per, s.shape[1])):
+            k0, k1 = h * A8_GROUP, min((h + 1) * A8_GROUP, qw.k)
+            dot = (q[:, k0:k1].double() @ codes[:, k0:k1].t()).float()  # exact integers
+            gacc = fma(dot, s[:, h:h + 1].expand_as(dot), gacc)
+            xs = xs + s[:, h] * q[:, k0:k1].sum(dim=1, dtype=torch.int32).float()
+        tot = fma(gacc, sw[g][None, :].expand_as(tot), tot)
+        tot = fma(xs[:, None].expand_as(tot), ow[g][None, :].expand_as(tot), tot)
+    y = tot if bias is None else tot + bias.float()
     return y.to(x.dtype).view(*lead, qw.n)

@@ -1,4 +1,4 @@
-"""Quantize a built model's linear layers at load (`quantization="int8" | "int4" | "w8a8_int8"`), tied
+"""Quantize a built model's linear layers at load (`quantization="int8" | "int4" | "w8a8_int8" | "w4a8"`), tied
 embeddings included.
 
 Why here and not in the loader: the model decides which weights are linear

@@ -180,9 +180,9 @@ class FillTimes:
 def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quantization: str | None = None,
                group: int | None = None, served: set[str] = frozenset()) -> FillTimes:  # type: ignore[assignment]
     """Give every meta parameter of `model` (built under `parameters_on_meta`, cast to `dtype`) its values
-    from `source`, block by block. With `quantization` "int8" / "int4" / "w8a8_int8", each quantizable `Linear`
+    from `source`, block by block. With `quantization` "int8" / "int4" / "w8a8_int8" / "w4a8", each quantizable `Linear`
     (`weight_quant.quantizable_layers`) gets codes instead, as `weight_quant.quantize_model` would give it."""
-    from kvforge.models.quant_linear import layer_method, pack_codes, quantize_rows
+    from kvforge.models.quant_linear import ACT_INT8_METHODS, layer_method, pack_codes, quantize_rows
     from kvforge.models.weight_quant import attach_with_embedding, quantizable_layers
 
     plan = checkpoint_plan(model, set(source.shapes), served)
@@ -193,7 +193,7 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
                 holders.setdefault(id(p), []).append((module, leaf))
     params = dict(model.named_parameters())
     quantized: dict[int, tuple[str, Any, Any]] = {}
-    if quantization in ("int8", "int4", "w8a8_int8"):
+    if quantization in ("int8", "int4", "w8a8_int8", "w4a8"):
         for name, layer, tied in quantizable_layers(model):
             quantized[id(layer.weight)] = (layer_method(quantization, name), layer, tied)
     pending: dict[str, _Pending] = {}
@@ -239,7 +239,7 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
             _, bits, grp = chunks[0][0], chunks[0][3], chunks[0][4]
             offsets = torch.cat([c[2] for c in chunks]) if chunks[0][2] is not None else None
             qw = pack_codes(torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]), offsets, bits, grp,
-                            act_int8=q[0] == "w8a8_int8")
+                            act_int8=q[0] in ACT_INT8_METHODS)
             del chunks
             pend.codes = []
             attach_with_embedding(q[1], qw, q[2])

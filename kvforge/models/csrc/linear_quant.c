@@ -778,21 +778,39 @@ static void a8_block(const int8_t *q, int64_t K4, int64_t K, int64_t G, const fl
 #undef KVF_ACASE
 }
 
+/* The quantized rows of x: q [M][K4 x 4], per group s and start [M][G] (see quantize_rows_a8), and for w4a8 xs
+ * [M][GW] (0: none). All NULL when out of memory. */
+typedef struct {
+    int8_t *q;
+    float *s, *xs;
+    int32_t *start;
+} a8_rows;
+
+static void a8_rows_free(a8_rows *a) {
+    free(a->q), free(a->s), free(a->xs), free(a->start);
+    a->q = NULL;
+}
+
+static a8_rows a8_rows_alloc(int64_t M, int64_t K4, int64_t G, int64_t GW) {
+    a8_rows a = {(int8_t *)malloc((size_t)(M * K4 * 4)), (float *)malloc((size_t)(M * G) * sizeof(float)),
+                 GW ? (float *)malloc((size_t)(M * GW) * sizeof(float)) : NULL,
+                 (int32_t *)malloc((size_t)(M * G) * sizeof(int32_t))};
+    if (!a.q || !a.s || !a.start || (GW && !a.xs)) a8_rows_free(&a);
+    return a;
+}
+
 /* y[M, N] = x[M, K] @ W^T (+ bias) with W int8 per output channel (scales [Np]) and x quantized as above;
  * y in x's dtype (y = ws_n x the tile's sum, one fp32 multiply). Returns 0, or -1 when out of memory. */
 int kvf_qlinear_a8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const float *scales,
                    int64_t N, const float *bias, void *y, int nthreads) {
     const int64_t P = (N + NR - 1) / NR, K4 = (K + 3) / 4, G = (K + A8_GROUP - 1) / A8_GROUP;
     const qweight w = {codes, scales, NULL, K, K, N, P * NR, K, K * NR, 8};
-    int8_t *q = (int8_t *)malloc((size_t)(M * K4 * 4));
-    float *s = (float *)malloc((size_t)(M * G) * sizeof(float));
-    int32_t *start = (int32_t *)malloc((size_t)(M * G) * sizeof(int32_t));
-    if (!q || !s || !start) {
-        free(q), free(s), free(start);
-        return -1;
-    }
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > P) nthreads = (int)P;
+    a8_rows a = a8_rows_alloc(M, K4, G, 0);
+    if (!a.q) return -1;
+    int8_t *q = a.q;
+    float *s = a.s;
+    int32_t *start = a.start;
+    nthreads = nthreads < 1 ? 1 : (nthreads > P ? (int)P : nthreads);
     const size_t ysz = x_bf16 ? 2 : 4;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -814,7 +832,216 @@ int kvf_qlinear_a8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
             }
         }
     }
-    free(q), free(s), free(start);
+    a8_rows_free(&a);
+    return 0;
+}
+
+/* ---- int4 weights x int8 activations (`quantization="w4a8"`) ----
+ *
+ * Why: with bf16 activations an int4 decode row costs 5 instructions per 32 weights (widen, two to build the
+ * nibble pair, `vpermw`, `vdpbf16ps`), so one stream of the 1B model reads its int4 bytes at ~0.8x the rate bf16
+ * reads its own: the unpacking, not the bytes, sets the pace. With the activations quantized to int8 (as
+ * w8a8_int8 does, groups of A8_GROUP k per row) the nibbles go to `vpdpbusd` as they are, unsigned bytes
+ * against signed activations: 64 bytes of codes (128 weights) take one load, one shift, two masks and then
+ * two `vpdpbusd` per row, each summing 4 products per lane.
+ *
+ * Its own layout, so that no byte needs moving: codes [panels][K8 = ceil(K/8)][16][4] bytes; byte b of
+ * column j at k8 holds u(k = 8 k8 + b) in its low nibble and u(k = 8 k8 + 4 + b) in its high one (u in
+ * [0, 15], zero past K). The low nibbles of 64 bytes are then 4 consecutive k per column (one dword lane),
+ * multiplied with the row's q[8 k8 .. 8 k8 + 3] broadcast, and the high ones with q[8 k8 + 4 .. + 7].
+ * Weight groups (scale s and offset o per group of `group` k and column, w = u s + o, both fp16 as GGUF's:
+ * 4 bytes a group instead of 8, 5% of an int4 g128 weight's bytes) are whole activation
+ * groups (group % A8_GROUP == 0), so per activation group h of row r, with the exact integer dot
+ d_h = sum_k q_k u_k, then per weight group g (scale s, offset o) with X_g = the fp32 sum, in order, of
+ * the row's a_h x sum_k q_k (a_h its activation scale) over g's h:
+ *   gacc = fma(float(d_h), a_h, gacc) over g's h in order; tot = fma(gacc, s, tot); tot = fma(X_g, o, tot)
+ * which is sum_k (u_k s + o) x q_k a_h: the dequantized weights times the dequantized activations. Two
+ * FMAs per lane per activation group and two per weight group: a per-group multiply-add for each of a_h, s
+ * and o per activation group measured 1.66x one row's time at 4 rows. `reference_a8w4` (quant_linear.py) computes the same bits in torch; the
+ * plain-C path (no VNNI) too. */
+/* fp16 -> fp32 (exact) for the plain-C path; the AVX-512 path uses vcvtph2ps. */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) { /* zero or subnormal: m x 2^-24, exact in fp32 */
+        const float f = (float)m * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Tiles: 1 row x 8 panels (one stream: 8 streams of codes per thread read 4-8% faster than 4, A/B in one process
+ * on the 1B model's linears, 2 threads), 2 rows x 4 panels, or up to 4 rows x 2 panels. W4PF: the codes W4PF x 64
+ * bytes ahead are prefetched in each panel (4 rows: 1.11x; one row: no change). */
+#ifndef W4PF
+#define W4PF 8
+#endif
+#ifndef W4DP
+#define W4DP 8
+#endif
+#define W4M 4
+#define W4P 8
+
+INLINE void w4_tile(const int8_t *q, int64_t K8, int64_t G, const float *s, const float *xs, int64_t GW,
+                    const qweight *w, int64_t p, int mr, int np, float *out) {
+    const int64_t ldq = K8 * 8, Np = w->Np, hpg = w->group / A8_GROUP; /* activation groups per weight group */
+    const uint16_t *sc = (const uint16_t *)w->scales, *of = (const uint16_t *)w->offsets; /* fp16 */
+#if KVF_A8_VNNI
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 tot[W4M][W4P];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < np; c++) tot[r][c] = _mm512_setzero_ps();
+    const uint8_t *base = w->codes + p * w->pstride;
+    for (int64_t gw = 0; gw < GW; gw++) {
+        __m512 gacc[W4M][W4P];
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++)
+#pragma GCC unroll 8
+            for (int c = 0; c < np; c++) gacc[r][c] = _mm512_setzero_ps();
+        /* the next group's scales are Np floats away: no stream the hardware prefetcher follows */
+        if (gw + 1 < GW)
+            for (int c = 0; c < np; c++) {
+                __builtin_prefetch(sc + (gw + 1) * Np + (p + c) * NR);
+                __builtin_prefetch(of + (gw + 1) * Np + (p + c) * NR);
+            }
+        const int64_t h1 = (gw + 1) * hpg < G ? (gw + 1) * hpg : G;
+        for (int64_t h = gw * hpg; h < h1; h++) {
+            const int64_t k8a = h * (A8_GROUP / 8), k8b = k8a + A8_GROUP / 8 < K8 ? k8a + A8_GROUP / 8 : K8;
+            __m512i acc[W4M][W4P];
+#pragma GCC unroll 8
+            for (int r = 0; r < mr; r++)
+#pragma GCC unroll 8
+                for (int c = 0; c < np; c++) acc[r][c] = _mm512_setzero_si512();
+            for (int64_t k8 = k8a; k8 < k8b; k8++) {
+                __m512i lo[W4P], hi[W4P];
+#if W4PF
+#pragma GCC unroll 8
+                for (int c = 0; c < np; c++) __builtin_prefetch(base + c * w->pstride + (k8 + W4PF) * 64);
+#endif
+#pragma GCC unroll 8
+                for (int c = 0; c < np; c++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(base + c * w->pstride + k8 * 64));
+                    lo[c] = _mm512_and_si512(v, m4);
+                    hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < mr; r++) {
+                    const kvf_i32a *qr = (const kvf_i32a *)(q + r * ldq);
+                    const __m512i xl = _mm512_set1_epi32(qr[2 * k8]), xh = _mm512_set1_epi32(qr[2 * k8 + 1]);
+#pragma GCC unroll 8
+                    for (int c = 0; c < np; c++) {
+                        acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], lo[c], xl);
+                        acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], hi[c], xh);
+                    }
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < mr; r++) {
+                const __m512 a = _mm512_set1_ps(s[r * G + h]);
+#pragma GCC unroll 8
+                for (int c = 0; c < np; c++) gacc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), a, gacc[r][c]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < np; c++) {
+            const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + gw * Np + (p + c) * NR)));
+            const __m512 ow = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(of + gw * Np + (p + c) * NR)));
+#pragma GCC unroll 8
+            for (int r = 0; r < mr; r++) {
+                tot[r][c] = _mm512_fmadd_ps(gacc[r][c], sw, tot[r][c]);
+                tot[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r * GW + gw]), ow, tot[r][c]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < np; c++) _mm512_storeu_ps(out + (r * np + c) * NR, tot[r][c]);
+#else
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < np; c++) {
+            const uint8_t *codes = w->codes + (p + c) * w->pstride;
+            for (int j = 0; j < NR; j++) {
+                const int64_t n = (p + c) * NR + j;
+                float tot = 0.0f;
+                for (int64_t gw = 0; gw < GW; gw++) {
+                    float gacc = 0.0f;
+                    for (int64_t h = gw * hpg; h < (gw + 1) * hpg && h < G; h++) {
+                        int32_t d = 0;
+                        for (int64_t k = h * A8_GROUP; k < (h + 1) * A8_GROUP && k < K8 * 8; k++) {
+                            const uint8_t byte = codes[(k / 8) * 64 + j * 4 + (k % 4)];
+                            d += (int32_t)q[r * ldq + k] * (int32_t)((k % 8) < 4 ? byte & 15 : byte >> 4);
+                        }
+                        gacc = __builtin_fmaf((float)d, s[r * G + h], gacc);
+                    }
+                    tot = __builtin_fmaf(gacc, f16_to_f32(sc[gw * Np + n]), tot);
+                    tot = __builtin_fmaf(xs[r * GW + gw], f16_to_f32(of[gw * Np + n]), tot);
+                }
+                out[(r * np + c) * NR + j] = tot;
+            }
+        }
+#endif
+}
+
+static void w4_block(const int8_t *q, int64_t K8, int64_t G, const float *s, const float *xs, int64_t GW,
+                     const qweight *w, int64_t p, int mr, int np, float *out) {
+#define KVF_WCASE(R, P) \
+    case (R) * 8 + (P): w4_tile(q, K8, G, s, xs, GW, w, p, R, P, out); break;
+    switch (mr * 8 + np) {
+        KVF_WCASE(1, 1) KVF_WCASE(1, 2) KVF_WCASE(1, 3) KVF_WCASE(1, 4)
+        KVF_WCASE(1, 5) KVF_WCASE(1, 6) KVF_WCASE(1, 7) KVF_WCASE(1, 8)
+        KVF_WCASE(2, 1) KVF_WCASE(2, 2) KVF_WCASE(2, 3) KVF_WCASE(2, 4)
+        KVF_WCASE(3, 1) KVF_WCASE(3, 2) KVF_WCASE(4, 1) KVF_WCASE(4, 2)
+    default: break;
+    }
+#undef KVF_WCASE
+}
+
+/* y[M, N] = x[M, K] @ W^T (+ bias) with W int4 in groups of `group` k (a multiple of A8_GROUP; scales and
+ * offsets [groups][Np] fp16) in the layout above, and x quantized per row in groups of A8_GROUP; y in x's dtype.
+ * Returns 0, or -1 when out of memory or `group` is not a multiple of A8_GROUP. */
+int kvf_qlinear_a8w4(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *codes, const void *scales,
+                     const void *offsets, int64_t group, int64_t N, const float *bias, void *y, int nthreads) {
+    if (group <= 0 || group % A8_GROUP) return -1;
+    const int64_t P = (N + NR - 1) / NR, K8 = (K + 7) / 8, G = (K + A8_GROUP - 1) / A8_GROUP;
+    const qweight w = {codes, (const float *)scales, (const float *)offsets, K, K8 * 8, N, P * NR, group, K8 * 64, 4};
+    const int64_t GW = (K + group - 1) / group;
+    a8_rows a = a8_rows_alloc(M, 2 * K8, G, GW);
+    if (!a.q) return -1;
+    int8_t *q = a.q;
+    float *s = a.s, *xs = a.xs;
+    int32_t *start = a.start;
+    nthreads = nthreads < 1 ? 1 : (nthreads > P ? (int)P : nthreads);
+    const size_t ysz = x_bf16 ? 2 : 4;
+#pragma omp parallel num_threads(nthreads)
+    {
+        KVF_TEAM(tid, nth);
+        const int64_t r0 = M * tid / nth, r1 = M * (tid + 1) / nth;
+        quantize_rows_a8(x, x_bf16, r0, r1, K, 2 * K8, G, q, s, start);
+        for (int64_t r = r0; r < r1; r++) /* per weight group: the sum over its h of a_h x sum_k q_k, in order */
+            for (int64_t h = 0; h < G; h++) {
+                const float v = s[r * G + h] * (float)(-start[r * G + h] / 128);
+                float *t = xs + r * GW + h * A8_GROUP / group;
+                *t = h * A8_GROUP % group == 0 ? v : *t + v;
+            }
+#pragma omp barrier
+        const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
+        const int rows = M < W4M ? (int)M : W4M, per = rows == 1 ? W4DP : (rows == 2 ? 4 : 2);
+        float tile[W4M * W4P * NR];
+        for (int64_t p = p0; p < p1; p += per) {
+            const int np = (int)(p1 - p < per ? p1 - p : per);
+            for (int64_t i = 0; i < M; i += rows) {
+                const int mr = (int)(M - i < rows ? M - i : rows);
+                w4_block(q + i * K8 * 8, K8, G, s + i * G, xs + i * GW, GW, &w, p, mr, np, tile);
+                write_rows(tile, mr, np, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, p * NR, bias);
+            }
+        }
+    }
+    a8_rows_free(&a);
     return 0;
 }
 
@@ -825,12 +1052,14 @@ typedef struct {
     const float *scales, *offsets;
     int64_t group;
     int64_t bits;
-    int64_t act8; /* 1: int8 activations in groups along K (`kvf_qlinear_a8`; int8 per channel only) */
+    int64_t act8; /* 1: int8 activations in groups along K (`kvf_qlinear_a8`, int8 per channel; `kvf_qlinear_a8w4`, int4) */
 } kvf_qdesc;
 
 int kvf_qlinear_desc(const void *x, int x_bf16, int64_t M, int64_t K, const void *desc, int64_t N, void *y,
                      int nthreads) {
     const kvf_qdesc *d = (const kvf_qdesc *)desc;
+    if (d->act8 && d->bits == 4)
+        return kvf_qlinear_a8w4(x, x_bf16, M, K, d->codes, d->scales, d->offsets, d->group, N, NULL, y, nthreads);
     if (d->act8) return kvf_qlinear_a8(x, x_bf16, M, K, d->codes, d->scales, N, NULL, y, nthreads);
     return kvf_qlinear(x, x_bf16, M, K, d->codes, (int)d->bits, d->scales, d->offsets, d->group, N, NULL, y, nthreads);
 }
