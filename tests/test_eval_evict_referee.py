@@ -137,3 +137,30 @@ def test_crashing_referee_keeps_kvforges_rows_and_exits_1(model, tmp_path, capsy
     rc = main(["eval", "kv-evict", "--model", model[0], "--policies", "none", *SMALL, "--kvpress-python", str(crash)])
     cap = capsys.readouterr()
     assert rc == 1 and "| full cache |" in cap.out and "exited with code 3" in cap.err
+
+
+def test_depth_mode_runs_the_referee_on_the_same_prompts_and_budgets(model, fake_python, tmp_path, capsys):
+    """--passkey-lengths with --kvpress-python: the referee gets every depth prompt (question included) and
+    each budget in tokens per prompt, as kvforge's; its rows join the table and the JSON, kvpress rows' share
+    taken against transformers' full cache; H2O is asked for only up to 4K-token prompts."""
+    path, _ = model
+    prefix = str(tmp_path / "depth")
+    rc = main(["eval", "kv-evict", "--model", path, "--block-size", "4", "--passkey-lengths", "300",
+               "--passkey-depths", "10,90", "--passkey-budgets", "64,50%", "--passkey-prompts", "1",
+               "--policies", "snapkv", "--kvpress-python", fake_python, "--save", prefix])
+    out = capsys.readouterr().out
+    assert rc == 0
+    job = json.loads((tmp_path / "job.json").read_text())
+    assert len(job["passkey"]) == 2 and all(len(p) == 300 and p[-len(PASSKEY_QUESTION):] for p in job["passkey"])
+    assert [b["label"] for b in job["budgets"]] == ["64", "50%"]
+    assert job["budgets"][0]["passkey"] == [64, 64] and job["budgets"][1]["passkey"] == [148, 148]
+    assert [p["label"] for p in job["presses"]] == ["kvpress SnapKV (w=64)", "kvpress StreamingLLM",
+                                                    "kvpress ObservedAttention (H2O)"]
+    assert job["teacher"] == []
+    # the fake answers each prompt with the prompt itself, which holds its key: found everywhere
+    assert "| transformers full cache | 100% | 1/1 | 1/1 | 2/2 | – |" in out  # kvforge's tiny model finds none
+    assert "| kvpress StreamingLLM | 50% | 1/1 | 1/1 | 2/2 (148 kept) | 100% |" in out
+    data = json.load(open(prefix + ".json"))
+    assert {c["policy"] for c in data["cells"]} == {"full cache", "snapkv", "transformers full cache",
+                                                    "kvpress SnapKV (w=64)", "kvpress StreamingLLM",
+                                                    "kvpress ObservedAttention (H2O)"}

@@ -9,6 +9,8 @@ presses run on transformers with the same weights, prompts and budgets, and prin
 With --passkey-lengths (and --passkey-depths, --passkey-budgets) it measures passkey retrieval at depth
 and length instead: keys at each depth of prompts of each length, for the full cache and each policy at
 each budget (kvforge/evaluation/passkey_depth.py); --save PREFIX writes PREFIX.txt, .json and .png.
+There the referee runs only when --kvpress-python names it (each press prefills every long prompt again in
+transformers): kvpress SnapKV and StreamingLLM, and its token-level H2O up to 4K-token prompts.
 
 Example:
   kvforge eval kv-evict --quick --plot evict.png
@@ -101,7 +103,8 @@ def add_arguments(ev: argparse.ArgumentParser) -> None:
                     help="a small run for a loaded machine: 1024 streamed tokens, 2 prompts x 1024 tokens, 32 generated")
     add_dataclass_flags(ev, EvictionConfig, exclude=_KNOBS)
     ev.add_argument("--kvpress-python", default=None, metavar="PYTHON",
-                    help="interpreter of a venv with kvpress (the referee); default: this one if it imports kvpress")
+                    help="interpreter of a venv with kvpress (the referee); default: this one if it imports kvpress "
+                    "(with --passkey-lengths: only when given)")
     ev.add_argument("--passkey-lengths", type=_checked(parse_lengths), default=None, metavar="N,N",
                     help="passkey at depth and length: prompt lengths in tokens, e.g. 4096,8184,16K (each + 8 "
                          "answer tokens within max_model_len); runs this mode instead of the table above")
@@ -170,6 +173,7 @@ def _run_depth(args: argparse.Namespace) -> int:
     """--passkey-lengths: keys at each depth of prompts of each length, full cache vs each policy and budget."""
     from kvforge.engine.args import EngineArgs
     from kvforge.engine.engine import LLMEngine
+    from kvforge.evaluation.kv_evict_referee import find_python
     from kvforge.evaluation.passkey_depth import run_passkey_depth, save_depth_plot
 
     per_depth = 2 if args.passkey_prompts is None else args.passkey_prompts
@@ -181,6 +185,11 @@ def _run_depth(args: argparse.Namespace) -> int:
     if bad:
         print(f"kvforge eval kv-evict: error: --policies item {bad[0]!r}: expected streaming, h2o, snapkv or none",
               file=sys.stderr)
+        return 2
+    try:
+        kvpress_python = find_python(args.kvpress_python) if args.kvpress_python else None
+    except ValueError as exc:
+        print(f"kvforge eval kv-evict: error: {exc}", file=sys.stderr)
         return 2
     knobs = {k: v for k, v in values_for(EvictionConfig, args).items() if k not in _KNOBS}
     lengths, budgets = args.passkey_lengths or DEFAULT_LENGTHS, args.passkey_budgets or DEFAULT_BUDGETS
@@ -201,6 +210,12 @@ def _run_depth(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a length the model cannot hold: named with its flag
         print(f"kvforge eval kv-evict: error: {exc}", file=sys.stderr)
         return 2
+    failed = []
+    if kvpress_python is not None:
+        try:
+            _depth_referee(args, engine, result, kvpress_python)
+        except RuntimeError as exc:  # kvforge's rows are still printed; the exit code says it failed
+            failed.append(str(exc))
     table, payload = _save_depth(args.save, result, model, args.dtype)
     print(json.dumps(payload, indent=2) if args.json else table)
     for png in filter(None, (args.plot, args.save and args.save + ".png")):
@@ -209,7 +224,37 @@ def _run_depth(args: argparse.Namespace) -> int:
             print(f"plot saved to {png}", file=sys.stderr)
         except ImportError:
             print(f"plot {png} skipped: matplotlib is not installed", file=sys.stderr)
-    return 0
+    for why in failed:
+        print(f"kvforge eval kv-evict: error: {why}; its rows are missing", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# ObservedAttention (H2O) needs eager attention, whose [heads, L, L] weights per layer outgrow memory past 4K
+REFEREE_H2O_MAX_LEN = 4096
+
+
+def _depth_referee(args: argparse.Namespace, engine, result, python: str) -> None:  # type: ignore[no-untyped-def]
+    """kvpress's SnapKV and StreamingLLM (and its token-level H2O up to `REFEREE_H2O_MAX_LEN`) on the same
+    prompts and budgets in transformers, added to `result` beside transformers' own full cache."""
+    import tempfile
+
+    from kvforge.evaluation.kv_evict import budget_tokens
+    from kvforge.evaluation.kv_evict_referee import _threads, build_job, export_hf_folder, run_referee
+    from kvforge.evaluation.passkey_depth import add_referee_cells, build_prompts
+
+    prompts = build_prompts(engine.tokenizer, result.lengths, result.depths, result.per_depth)
+    bs = engine.kv.block_size
+    presses = ["kvpress SnapKV (w=64)", "kvpress StreamingLLM"]
+    if max(result.lengths) <= REFEREE_H2O_MAX_LEN:
+        presses.append("kvpress ObservedAttention (H2O)")
+    budgets = [(b, [budget_tokens(b, p.length, bs) for p in prompts], []) for b in result.budgets]
+    with tempfile.TemporaryDirectory(prefix="kvforge-kvpress-") as tmp:
+        folder = export_hf_folder(args.model, tmp)
+        job = build_job(folder, [p.ids for p in prompts], [], budgets, presses, threads=_threads())
+        answers = run_referee(python, job, on_row=lambda a: print(
+            f"  kvpress referee: {a['policy']} @ {a['budget']}" + (f" failed: {a['error']}" if a.get("error") else ""),
+            file=sys.stderr, flush=True))
+    add_referee_cells(result, prompts, answers, engine.tokenizer.decode, bs)
 
 
 def _save_depth(prefix: str | None, result, model: str, dtype: str) -> tuple[str, dict]:  # type: ignore[no-untyped-def]

@@ -13,6 +13,8 @@ its `max_num_batched_tokens`, so memory stays bounded at any length.
 A policy the engine refuses for this model (a model whose every layer is windowed refuses every eviction
 policy; hybrid models such as Gemma 3 evict in their full-attention layers) is reported as refused, with
 the engine's reason, and the others still run. Prompts open with the tokenizer's <bos> where it adds one.
+With the kvpress referee (`--kvpress-python`), kvpress's presses answer the same prompts at the same
+budgets in transformers (`add_referee_cells`), beside transformers' own full cache.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from kvforge.evaluation.kv_quant import corpus_token_ids
 
 ANSWER_TOKENS = 8
 FULL = "full cache"
+REFEREE_FULL = "transformers full cache"  # the kvpress referee's own full-cache row (kv_evict_referee.py)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,35 @@ def run_passkey_depth(engine, depths: tuple[int, ...], lengths: tuple[int, ...],
     return result
 
 
+def add_referee_cells(result: DepthResult, prompts: list[PasskeyPrompt], answers: list[dict], decode,
+                      block_size: int) -> None:  # type: ignore[no-untyped-def]
+    """The kvpress referee's rows (`kv_evict_referee.run_referee`: one per press and budget, the greedy ids
+    of every prompt in `prompts`' order) as cells beside kvforge's, found by the same `found_key`. A press
+    that failed (missing, refused, out of memory) is listed with its error as refused."""
+    for a in answers:
+        budget = a.get("budget") or "100%"
+        if a.get("error"):
+            result.refused[f"{a['policy']} @ {budget}"] = a["error"]
+            continue
+        cells: dict[tuple[int, int], DepthCell] = {}
+        for p, ids in zip(prompts, a["passkey_ids"]):
+            cell = cells.setdefault((p.length, p.depth), DepthCell(a["policy"], budget, p.length, p.depth))
+            text = decode(ids)
+            cell.found += int(found_key(text, p.key))
+            cell.total += 1
+            cell.kept_tokens = p.length if budget == "100%" else budget_tokens(budget, p.length, block_size)
+            cell.answers.append(f"key {p.key}: {text!r}")
+        result.cells += cells.values()
+
+
+def reference_policy(result: DepthResult, policy: str) -> tuple[str, str]:
+    """The full-cache row a policy's 'of full' share is taken against: kvpress rows against transformers'
+    own full cache when the referee ran one, kvforge's rows against kvforge's."""
+    if policy.startswith("kvpress") and any(c.policy == REFEREE_FULL for c in result.cells):
+        return REFEREE_FULL, "100%"
+    return FULL, "100%"
+
+
 def _count(found: int, total: int) -> str:
     return f"{found}/{total}" if total else "–"  # –: not measured (a run stopped early)
 
@@ -189,7 +221,7 @@ def render_depth_table(result: DepthResult, model: str) -> str:
     for n in r.lengths:
         head += [f"{n}@{d}%" for d in r.depths] + [f"{n} all", f"{n} of full"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    rows = [(FULL, "100%")] + [(p, b) for p in dict.fromkeys(c.policy for c in r.cells) if p != FULL for b in r.budgets]
+    rows = [(FULL, "100%")] + [pb for pb in dict.fromkeys((c.policy, c.budget) for c in r.cells) if pb[0] != FULL]
     for policy, budget in rows:
         cells = [policy, budget]
         for n in r.lengths:
@@ -197,8 +229,8 @@ def render_depth_table(result: DepthResult, model: str) -> str:
             found, total = r.found(policy, budget, n)
             kept = next((c.kept_tokens for c in r.cells if (c.policy, c.budget, c.length) == (policy, budget, n)), n)
             measured = [d for d in r.depths if r.found(policy, budget, n, d)[1]]  # a run stopped early: fewer
-            full = sum(r.found(FULL, "100%", n, d)[0] for d in measured)
-            cells += [_count(found, total) + (f" ({kept} kept)" if policy != FULL else ""),
+            full = sum(r.found(*reference_policy(r, policy), n, d)[0] for d in measured)
+            cells += [_count(found, total) + (f" ({kept} kept)" if budget != "100%" else ""),
                       _ratio(found, full) if total else "–"]
         lines.append("| " + " | ".join(cells) + " |")
     for policy, why in r.refused.items():
@@ -215,18 +247,19 @@ def save_depth_plot(result: DepthResult, path: str) -> None:
 
     r = result
     fig, axes = plt.subplots(1, len(r.lengths), figsize=(5.5 * len(r.lengths), 4.2), squeeze=False)
-    colors = {FULL: "black", "streaming": "tab:blue", "h2o": "tab:orange", "snapkv": "tab:green"}
+    colors = {FULL: "black", "streaming": "tab:blue", "h2o": "tab:orange", "snapkv": "tab:green",
+              REFEREE_FULL: "grey", "kvpress StreamingLLM": "tab:cyan", "kvpress ObservedAttention (H2O)": "tab:brown",
+              "kvpress SnapKV (w=64)": "tab:olive"}
     styles = ["-", "--", ":", "-."]
-    series = [(FULL, "100%")] + [(p, b) for p in dict.fromkeys(c.policy for c in r.cells) if p != FULL
-                                 for b in r.budgets]
+    series = [(FULL, "100%")] + [pb for pb in dict.fromkeys((c.policy, c.budget) for c in r.cells) if pb[0] != FULL]
     for ax, n in zip(axes[0], r.lengths):
         for policy, budget in series:
             ys = [r.found(policy, budget, n, d) for d in r.depths]
             if not all(t for _, t in ys):  # not (fully) measured
                 continue
-            style = "-" if policy == FULL else styles[r.budgets.index(budget) % len(styles)]
+            style = "-" if budget == "100%" else styles[r.budgets.index(budget) % len(styles)]
             ax.plot(r.depths, [100 * f / t for f, t in ys], marker="o", color=colors.get(policy), ls=style,
-                    lw=2.5 if policy == FULL else 1.5, label=policy if policy == FULL else f"{policy} @ {budget}")
+                    lw=2.5 if policy == FULL else 1.5, label=policy if budget == "100%" else f"{policy} @ {budget}")
         ax.set_title(f"{n}-token prompts" + (f" (refused: {', '.join(r.refused)})" if r.refused else ""), fontsize=9)
         ax.set_xlabel("key depth (% of the document)")
         ax.set_ylabel("keys found (%)")
