@@ -164,3 +164,23 @@ def test_depth_mode_runs_the_referee_on_the_same_prompts_and_budgets(model, fake
     assert {c["policy"] for c in data["cells"]} == {"full cache", "snapkv", "transformers full cache",
                                                     "kvpress SnapKV (w=64)", "kvpress StreamingLLM",
                                                     "kvpress ObservedAttention (H2O)"}
+
+
+DEPTH_SMALL = ["--block-size", "4", "--passkey-lengths", "300", "--passkey-depths", "50", "--passkey-budgets", "64",
+               "--passkey-prompts", "1", "--policies", "none"]
+
+
+def test_depth_mode_bad_kvpress_python_exits_2_before_loading(model, tmp_path, capsys):
+    rc = main(["eval", "kv-evict", "--model", model[0], *DEPTH_SMALL, "--kvpress-python", str(tmp_path / "none")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--kvpress-python" in err and "not an executable file" in err
+
+
+def test_depth_mode_crashing_referee_keeps_kvforges_rows_and_exits_1(model, tmp_path, capsys):
+    crash = tmp_path / "crash"
+    crash.write_text("#!/bin/sh\nexit 3\n")
+    crash.chmod(0o755)
+    rc = main(["eval", "kv-evict", "--model", model[0], *DEPTH_SMALL, "--kvpress-python", str(crash)])
+    cap = capsys.readouterr()
+    assert rc == 1 and "| full cache | 100% |" in cap.out and "exited with code 3" in cap.err
+    assert "kvpress" not in cap.out

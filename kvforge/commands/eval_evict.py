@@ -239,7 +239,7 @@ def _depth_referee(args: argparse.Namespace, engine, result, python: str) -> Non
     import tempfile
 
     from kvforge.evaluation.kv_evict import budget_tokens
-    from kvforge.evaluation.kv_evict_referee import _threads, build_job, export_hf_folder, run_referee
+    from kvforge.evaluation.kv_evict_referee import build_job, export_hf_folder, referee_threads, run_referee
     from kvforge.evaluation.passkey_depth import add_referee_cells, build_prompts
 
     prompts = build_prompts(engine.tokenizer, result.lengths, result.depths, result.per_depth)
@@ -250,7 +250,7 @@ def _depth_referee(args: argparse.Namespace, engine, result, python: str) -> Non
     budgets = [(b, [budget_tokens(b, p.length, bs) for p in prompts], []) for b in result.budgets]
     with tempfile.TemporaryDirectory(prefix="kvforge-kvpress-") as tmp:
         folder = export_hf_folder(args.model, tmp)
-        job = build_job(folder, [p.ids for p in prompts], [], budgets, presses, threads=_threads())
+        job = build_job(folder, [p.ids for p in prompts], [], budgets, presses, threads=referee_threads())
         answers = run_referee(python, job, on_row=lambda a: print(
             f"  kvpress referee: {a['policy']} @ {a['budget']}" + (f" failed: {a['error']}" if a.get("error") else ""),
             file=sys.stderr, flush=True))

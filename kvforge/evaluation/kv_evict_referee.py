@@ -119,7 +119,7 @@ def referee_rows(answers: list[dict], tokenizer, keys: Sequence[str]) -> list[Ev
     return rows
 
 
-def _threads() -> int | None:
+def referee_threads() -> int | None:
     """The referee's torch threads: this process's OMP_NUM_THREADS when set (the machine may be shared)."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else None
@@ -136,7 +136,7 @@ def kvpress_rows(ev, model: str | None, python: str, progress=None, presses: Seq
     with tempfile.TemporaryDirectory(prefix="kvforge-kvpress-") as tmp:
         folder = export_hf_folder(model, tmp)
         job = build_job(folder, [p for p, _ in ev.passkeys], list(zip(ev.prompts, ev.base)), budgets, presses,
-                        threads=_threads())
+                        threads=referee_threads())
         answers = run_referee(python, job, runner=runner,
                               on_row=None if progress is None else (lambda a: progress(EvictRow(a["policy"], a["budget"]))))
     return referee_rows(answers, ev.engine.tokenizer, [k for _, k in ev.passkeys])

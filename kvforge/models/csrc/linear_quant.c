@@ -851,14 +851,15 @@ int kvf_qlinear_a8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
  * multiplied with the row's q[8 k8 .. 8 k8 + 3] broadcast, and the high ones with q[8 k8 + 4 .. + 7].
  * Weight groups (scale s and offset o per group of `group` k and column, w = u s + o, both fp16 as GGUF's:
  * 4 bytes a group instead of 8, 5% of an int4 g128 weight's bytes) are whole activation
- * groups (group % A8_GROUP == 0), so per activation group h of row r, with the exact integer dot
- d_h = sum_k q_k u_k, then per weight group g (scale s, offset o) with X_g = the fp32 sum, in order, of
- * the row's a_h x sum_k q_k (a_h its activation scale) over g's h:
+ * groups (group % A8_GROUP == 0), so per activation group h of row r there is the exact integer dot
+ * d_h = sum_k q_k u_k; then per weight group g (scale s, offset o), with X_g the fp32 sum, in order, of the
+ * row's a_h x sum_k q_k (a_h its activation scale) over g's h:
  *   gacc = fma(float(d_h), a_h, gacc) over g's h in order; tot = fma(gacc, s, tot); tot = fma(X_g, o, tot)
- * which is sum_k (u_k s + o) x q_k a_h: the dequantized weights times the dequantized activations. Two
- * FMAs per lane per activation group and two per weight group: a per-group multiply-add for each of a_h, s
- * and o per activation group measured 1.66x one row's time at 4 rows. `reference_a8w4` (quant_linear.py) computes the same bits in torch; the
- * plain-C path (no VNNI) too. */
+ * which is sum_k (u_k s + o) x q_k a_h: the dequantized weights times the dequantized activations. One FMA
+ * per lane per activation group and two per weight group (a multiply-add for each of a_h, s and o per
+ * activation group measured 1.66x one row's time at 4 rows). `reference_a8w4` (quant_linear.py) computes
+ * the same bits in torch; the plain-C path (no VNNI) too. */
+
 /* fp16 -> fp32 (exact) for the plain-C path; the AVX-512 path uses vcvtph2ps. */
 static inline float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
