@@ -24,8 +24,8 @@ def one(fmt: str, dtype: str, prompt_len: int, new: int) -> dict:
 
     parsed = parse_kv_format(fmt)
     llm = LLM(dtype=dtype, k_cache_dtype=parsed.k_dtype, v_cache_dtype=parsed.v_dtype,
-              kv_cache_scale=parsed.scales, kv_cache_memory="1GiB", max_model_len=prompt_len + new + 64,
-              log_ledger=False)
+              kv_cache_scale=parsed.scales, kv_cache_rotation=parsed.rotation, kv_cache_memory="1GiB",
+              max_model_len=prompt_len + new + 64, log_ledger=False)
     rng = random.Random(0)
     prompt = [rng.randrange(100, 40000) for _ in range(prompt_len)]
     llm.generate(prompt_token_ids=[prompt[:64]], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),

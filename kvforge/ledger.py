@@ -34,13 +34,19 @@ DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZED_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
-# The scale granularity a quantized dtype gets when the user names none, chosen by measurement: the
-# recorded curve in planner/kv_quality.py (benchmarks/results/2026-12-04_kv_quant_at_length_smollm2.txt).
-# fp8 keeps only 3 (e4m3) or 2 (e5m2) mantissa bits, so one scale per token shared by every head lets
-# the head with the largest values set the step for all of them; per-head scales measured lower
-# perplexity loss at 2K and 8K (neither met 1% at 8K; head lost least). int8 keeps per-token scales:
-# +0.23% at 8K meets its 0.5% target with the fewest scale bytes (per head: +0.14%). int4 was not
-# re-measured at length and keeps per-token. The rule is `planner.kv_quality.measured_default_scale`.
+# How a quantized side is stored besides its scales (kv/rotation.py): "hadamard" rotates each head's
+# channels before quantizing (exact: attention rotates q alike and un-rotates its output), "none" not.
+# Quantized caches default to "hadamard": on the recorded curve (planner/kv_quality.py) it loses less at
+# every layout measured both ways (fp8 e4m3 per head +1.45% -> +0.46% at 8K, int8 per token +0.23% ->
+# +0.05%). The rule is `planner.kv_quality.measured_default_rotation`.
+KV_ROTATIONS = ("hadamard", "none")
+DEFAULT_KV_ROTATION = "hadamard"
+# The scale granularity a quantized dtype gets when the user names none, chosen by the same measurement
+# for the default (rotated) storage: the cheapest layout that meets the dtype's target at 8K with the
+# measured rounding noise to spare, else the one that loses least. fp8 (3 or 2 mantissa bits) keeps per
+# head: per token meets 1% (+0.73%) but not with the 0.4-point margin, per head does (+0.46%). int8 keeps
+# per token (+0.05%). int4 has no quality target and keeps per token, its fewest bytes (K per channel
+# halves its loss for 22% more bytes a token). The rule is `planner.kv_quality.measured_default_scale`.
 DEFAULT_KV_SCALES: dict[str, str] = {"fp8": "head", "fp8_e4m3": "head", "fp8_e5m2": "head", "int8": "token",
                                      "int4": "token"}
 
@@ -117,6 +123,7 @@ class KVCacheFormat:
     k_dtype: str = "float16"
     v_dtype: str = "float16"
     scale_granularity: str | None = None
+    rotation: str | None = None  # "hadamard": quantized sides stored rotated (same bytes); None: as computed
 
     def __post_init__(self) -> None:
         element_bytes(self.k_dtype)
@@ -125,6 +132,8 @@ class KVCacheFormat:
             raise ValueError(
                 f"scale_granularity {self.scale_granularity!r} must be one of tensor, token, head, channel"
             )
+        if self.rotation not in (None, "hadamard"):
+            raise ValueError(f"rotation {self.rotation!r} must be 'hadamard' or None")
 
     @classmethod
     def uniform(
@@ -410,18 +419,29 @@ def format_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class KVFormatSpec:
-    """A parsed `KDTYPE[/VDTYPE][@SCALES]` in canonical names; "auto" stays until `resolve` knows the model dtype."""
+    """A parsed `KDTYPE[/VDTYPE][@SCALES][:ROTATION]` in canonical names; "auto" stays until `resolve` knows
+    the model dtype."""
 
     k_dtype: str
     v_dtype: str
     scales: str | None = None  # None when the spec had no @SCALES suffix
+    rotation: str | None = None  # "hadamard" / "none"; None when the spec had no :ROTATION suffix
 
-    def resolve(self, model_dtype: str, default_scales: str | None = None) -> KVCacheFormat:
-        """The storage format for a model served in `model_dtype`; scales only when K or V is quantized
-        (unnamed: `default_scales`, else the measured per-dtype default, `DEFAULT_KV_SCALES`)."""
+    def resolve(
+        self, model_dtype: str, default_scales: str | None = None, default_rotation: str | None = None,
+    ) -> KVCacheFormat:
+        """The storage format for a model served in `model_dtype`; scales and a rotation only when K or V is
+        quantized (unnamed: `default_scales` / `default_rotation`, else the measured defaults,
+        `DEFAULT_KV_SCALES` and `DEFAULT_KV_ROTATION`)."""
         k, v = (model_dtype if d == "auto" else d for d in (self.k_dtype, self.v_dtype))
         default = default_kv_scale(k, v)  # None: neither side is quantized, so no scales at all
-        return KVCacheFormat(k, v, (self.scales or default_scales or default) if default else None)
+        if default is None:
+            return KVCacheFormat(k, v, None)
+        rotation = self.rotation or default_rotation or DEFAULT_KV_ROTATION
+        if rotation not in KV_ROTATIONS:
+            raise ValueError(f"kv_cache_rotation {rotation!r} must be one of {', '.join(KV_ROTATIONS)}")
+        return KVCacheFormat(k, v, self.scales or default_scales or default,
+                             None if rotation == "none" else rotation)
 
 
 def kv_format_error(field: str, value: object, problem: str) -> ValueError:
@@ -441,15 +461,20 @@ def canonical_kv_dtype(name: str, field: str = "kv_cache_dtype") -> str:
 
 
 def parse_kv_format(spec: str, field: str = "kv_cache_dtype") -> KVFormatSpec:
-    """Parse `fp8`, `fp8/fp16` (K fp8, V fp16), `int4@channel` or `auto`; ValueError names `field`."""
-    body, at, scales = str(spec).strip().lower().partition("@")
+    """Parse `fp8`, `fp8/fp16` (K fp8, V fp16), `int4@channel`, `int8:none` (not rotated) or `auto`;
+    ValueError names `field`."""
+    text, colon, rotation = str(spec).strip().lower().partition(":")
+    if colon and rotation not in KV_ROTATIONS:
+        raise kv_format_error(field, spec, f"rotation must be one of {', '.join(KV_ROTATIONS)}")
+    body, at, scales = text.partition("@")
     if at and scales not in KV_SCALE_GRANULARITIES:
         raise kv_format_error(field, spec, f"scale must be one of {', '.join(KV_SCALE_GRANULARITIES)}")
     names = body.split("/")
     if len(names) > 2 or not all(n.strip() for n in names):
-        raise kv_format_error(field, spec, "expected KDTYPE[/VDTYPE][@SCALES], e.g. fp8, fp8/fp16 or int4@channel")
+        raise kv_format_error(field, spec, "expected KDTYPE[/VDTYPE][@SCALES][:ROTATION], e.g. fp8, fp8/fp16, "
+                                           "int4@channel or int8:none")
     k, v = (canonical_kv_dtype(n, field) for n in (names * 2)[:2])
-    return KVFormatSpec(k, v, scales or None)
+    return KVFormatSpec(k, v, scales or None, rotation or None)
 
 
 # ---- tensor parallelism --------------------------------------------------------------------------

@@ -51,11 +51,16 @@ def test_fused_steps_equal_the_python_layers_bitwise(tiny_model_factory, monkeyp
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kwargs", [{"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8", "kv_cache_scale": "head"},
                                     {"k_cache_dtype": "auto", "v_cache_dtype": "fp8_e5m2"},
-                                    {"kv_cache_dtype": "int8", "kv_cache_scale": "channel"}],
-                         ids=["int8-token", "fp8-head", "split", "int8-channel"])
+                                    {"kv_cache_dtype": "int8", "kv_cache_scale": "channel"},
+                                    {"k_cache_dtype": "int8", "v_cache_dtype": "auto"},
+                                    {"kv_cache_dtype": "int8", "kv_cache_rotation": "none"}],
+                         ids=["int8-token", "fp8-head", "split", "int8-channel", "k-only", "int8-not-rotated"])
 def test_fused_steps_over_8bit_caches_equal_the_python_layers_bitwise(tiny_model_factory, monkeypatch, dtype, kwargs):
     """8-bit caches are written by the same C quantizer the stores use, and read by the same decode kernel
-    (int8 K per channel too: its running per-block maximum, rescales and block starts in the C loop)."""
+    (int8 K per channel too: its running per-block maximum, rescales and block starts in the C loop). Quantized
+    sides are Hadamard-rotated by default: the C loop's `fwht_rows` gives the bits of kv/rotation.py's
+    `rotate`, on K and q (K quantized: "k-only"), V and the attention output (V quantized: "split"), or not at
+    all ("int8-not-rotated")."""
     backend = "panel"
     if dtype == "bfloat16" and not panel_linear.simd(torch.bfloat16):
         pytest.skip("bf16 weights get a panel layout only on AVX512-BF16 CPUs")

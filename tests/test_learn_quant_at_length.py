@@ -16,7 +16,8 @@ def test_quick_lesson_prints_every_format_at_every_length(tiny_model_factory, ca
     assert main(["learn", "quant-at-length", "--quick", "--model", path, "--contexts", "64,200",
                  "--dtype", "float32", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
-    for spec in ("unquantized", "fp8_e4m3@token", "fp8_e4m3@head", "bfloat16/fp8_e4m3@head", "int8"):
+    for spec in ("unquantized", "fp8_e4m3@head:none", "fp8_e4m3@head", "bfloat16/fp8_e4m3@head:none", "int8:none",
+                 "int8"):
         assert spec in out
     assert "+% @64" in out and "+% @200" in out and "the loss" in out
     assert png.stat().st_size > 0
@@ -46,6 +47,11 @@ def test_verdicts_follow_the_numbers():
     assert "per-head scales help" in lines[4]
     worse = FormatRow("bfloat16/fp8_e4m3@head", 6, {256: 10.0, 2048: 10.3})
     assert "does not show" in verdicts([base, tok, head, worse])[3]
+    plain = FormatRow("int8:none", 4, {256: 10.02, 2048: 10.03})
+    rotated = FormatRow("int8", 4, {256: 10.0, 2048: 10.005})
+    assert verdicts([base, plain, rotated])[-1].startswith("Hadamard rotation (int8) at 2048 tokens: 0.05% against 0.30%")
+    assert "the rotation helps" in verdicts([base, plain, rotated])[-1]
+    assert "does not help" in verdicts([base, FormatRow("int8:none", 4, {256: 10.0, 2048: 10.0}), rotated])[-1]
 
 
 def test_bad_input_exits_2(tiny_model_factory, capsys):

@@ -22,6 +22,7 @@ from kvforge.attention.torch_ref import paged_attention as paged_attention_ref
 from kvforge.attention.triton import paged_attention_triton, runtime as triton_runtime
 from kvforge.attention.triton import reads_in_place as triton_reads_in_place
 from kvforge.config import ATTENTION_BACKENDS  # torch-free, so the CLI can list the choices
+from kvforge.kv.rotation import rotate
 
 
 def check_backend(name: str) -> None:
@@ -62,10 +63,12 @@ def paged_attention(
     q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,  # type: ignore[no-untyped-def]
     sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
+    if getattr(cache, "rotate_k", False):  # K is stored rotated (kv/rotation.py): (Rq).(Rk) = q.k
+        q = rotate(q)
     out = _dispatch(q, cache, meta, scale, sliding_window, softcap)
     if meta.attention_mass is not None:  # KV eviction's scores: only when a scored policy is on
         accumulate_attention_mass(q, cache, meta, scale, softcap)
-    return out
+    return rotate(out) if getattr(cache, "rotate_v", False) else out  # sum of p * Rv = R o; R is its own inverse
 
 
 def _dispatch(

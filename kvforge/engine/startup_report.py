@@ -154,7 +154,10 @@ def report_for(
         scales = f"per {fmt.scale_granularity}"
         if fmt.scale_granularity == "channel":
             scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
-        kv_dtype += f" (scales {scales})"
+        rotated = {"K and V": fmt.k_dtype in QUANTIZED_DTYPES and fmt.v_dtype in QUANTIZED_DTYPES,
+                   "K": fmt.k_dtype in QUANTIZED_DTYPES, "V": fmt.v_dtype in QUANTIZED_DTYPES}
+        turn = next((side for side, yes in rotated.items() if yes), "") if fmt.rotation else ""
+        kv_dtype += f" (scales {scales}" + (f"; {turn} Hadamard-rotated" if turn else "; not rotated") + ")"
     return StartupReport(
         model=config.model_options.model or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,

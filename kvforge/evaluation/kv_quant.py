@@ -33,6 +33,7 @@ import torch
 from kvforge.engine.sampling_params import SamplingParams
 from kvforge.evaluation.long_context import DEFAULT_PREFILL_CHUNK, depth_perplexity, kl_sum, score_window
 from kvforge.ledger import (
+    DEFAULT_KV_ROTATION,
     NULL_BLOCKS_PER_GROUP,
     KVCacheFormat,
     default_kv_scale,
@@ -50,22 +51,25 @@ DEFAULT_VARIANTS = (
 
 @dataclass(frozen=True)
 class Variant:
-    """One row: `KDTYPE[/VDTYPE][@SCALE]`, e.g. `fp8_e4m3`, `int4@channel`, `auto/int4` (K auto, V int4)."""
+    """One row: `KDTYPE[/VDTYPE][@SCALE][:ROTATION]`, e.g. `fp8_e4m3`, `int4@channel`, `auto/int4` (K auto,
+    V int4), `int8:none` (int8 stored without the default Hadamard rotation)."""
 
     spec: str
     k_cache_dtype: str
     v_cache_dtype: str
     kv_cache_scale: str
+    kv_cache_rotation: str = DEFAULT_KV_ROTATION
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
         fmt = parse_kv_format(spec, "--formats item")  # the ledger's one grammar: fp8 is fp8_e4m3, fp16 float16
         return cls(spec.strip(), fmt.k_dtype, fmt.v_dtype, fmt.scales or default_kv_scale(fmt.k_dtype, fmt.v_dtype)
-                   or "token")
+                   or "token", fmt.rotation or DEFAULT_KV_ROTATION)
 
     def engine_changes(self) -> dict[str, str]:
         return {"kv_cache_dtype": "auto", "k_cache_dtype": self.k_cache_dtype,
-                "v_cache_dtype": self.v_cache_dtype, "kv_cache_scale": self.kv_cache_scale}
+                "v_cache_dtype": self.v_cache_dtype, "kv_cache_scale": self.kv_cache_scale,
+                "kv_cache_rotation": self.kv_cache_rotation}
 
 
 @dataclass
@@ -101,6 +105,7 @@ class RowResult:
     kl: float = 0.0
     step_agreement: float = 1.0
     same_prefix: float = 1.0  # mean fraction of gen_tokens before the first difference
+    rotation: str | None = None  # "hadamard": quantized sides stored rotated (rows saved before it: None)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -210,6 +215,7 @@ class KVQuantEval:
             kv_bytes_per_token(shape, fmt, bs),
             num_blocks_for_memory(opts.capacity_memory, shape, bs, fmt) - NULL_BLOCKS_PER_GROUP,  # the pool's usable
             max_concurrency(opts.capacity_memory, shape, opts.capacity_seq_len, fmt, bs),
+            rotation=fmt.rotation,
         )
         reference = not self.base_logp
         kl_total, kl_count = 0.0, 0

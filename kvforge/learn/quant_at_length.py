@@ -11,8 +11,8 @@ KV format, in prefill chunks, so every token reads all earlier K/V back from the
 served long prompt does. The perplexity at context L is that of the window's first L tokens, so one
 pass per format gives every length (the same numbers `kvforge eval kv-quant --contexts` gives for one
 window). It prints the perplexity increase over the unquantized cache at each length, and the increase
-on the last span of the window alone (the tokens that see the longest context), for per-token fp8, per-
-head fp8, K 16-bit / V fp8 and int8.
+on the last span of the window alone (the tokens that see the longest context), for per-head fp8 and
+int8 stored plain and Hadamard-rotated (kvforge's default, kv/rotation.py), and K 16-bit / V fp8.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from kvforge.learn.common import render_table
 
 CONTEXTS = (512, 1024, 2048, 4096, 8192)
 QUICK_CONTEXTS = (256, 512, 1024, 2048)
-# K/V format rows (the ledger's grammar): the old per-token fp8 default, per-head fp8 (the default now),
-# the K-16-bit recipe, and int8 with its default per-token scales
-FORMATS = ("fp8_e4m3@token", "fp8_e4m3@head", "bfloat16/fp8_e4m3@head", "int8")
+# K/V format rows (the ledger's grammar): per-head fp8 stored plain (the default before the rotation) and
+# Hadamard-rotated (the default now), the K-16-bit recipe, and int8 plain and rotated
+FORMATS = ("fp8_e4m3@head:none", "fp8_e4m3@head", "bfloat16/fp8_e4m3@head:none", "int8:none", "int8")
 CHUNK = 1024  # tokens per scoring pass: later chunks read the earlier ones back from the quantized cache
 
 
@@ -76,7 +76,7 @@ def verdicts(rows: list[FormatRow]) -> list[str]:
         a, b = increase(r, base, first), increase(r, base, last)
         trend = "grows" if abs(b) > abs(a) + 0.05 else ("shrinks" if abs(b) < abs(a) - 0.05 else "stays flat")
         out.append(f"{r.spec}: {a:+.2f}% at {first} -> {b:+.2f}% at {last} tokens: the loss {trend} with length")
-    fp8 = [rest[s] for s in ("fp8_e4m3@token", "fp8_e4m3@head") if s in rest]
+    fp8 = [r for s, r in rest.items() if s.startswith("fp8_e4m3@")]
     split = next((r for s, r in rest.items() if s.startswith(("bfloat16/", "float16/", "auto/"))), None)
     if fp8 and split is not None:
         worst = max(abs(increase(r, base, last)) for r in fp8)
@@ -87,6 +87,12 @@ def verdicts(rows: list[FormatRow]) -> list[str]:
         tok, head = (abs(increase(rest[s], base, last)) for s in ("fp8_e4m3@token", "fp8_e4m3@head"))
         out.append(f"per-head fp8 scales at {last} tokens: {head:.2f}% against {tok:.2f}% per token: "
                    + ("per-head scales help" if head < tok else "per-head scales do not help here"))
+    for spec, plain in rest.items():  # each format measured both ways: stored plain (":none") and rotated
+        rotated = rest.get(spec[: -len(":none")]) if spec.endswith(":none") else None
+        if rotated is not None:
+            a, b = abs(increase(rotated, base, last)), abs(increase(plain, base, last))
+            out.append(f"Hadamard rotation ({rotated.spec}) at {last} tokens: {a:.2f}% against {b:.2f}% stored plain: "
+                       + ("the rotation helps" if a < b else "the rotation does not help here"))
     return out
 
 

@@ -32,6 +32,7 @@ from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.cpu_paged import kernel_views
 from kvforge.kv import quant_kernel
 from kvforge.kv.storage.dense import DenseKVCache
+from kvforge.kv.rotation import hadamard_block
 from kvforge.kv.storage.quantized import QuantizedKVCache
 from kvforge.models import fused, panel_linear, quant_linear
 from kvforge.models.layers import GatedMLP
@@ -46,10 +47,13 @@ class _Fns(ctypes.Structure):
     _fields_ = [("linear", _P), ("qlinear", _P), ("rms_norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P), ("quantize", _P)]
 
 
+FWHT_MAX_BLOCK = 1024  # decode_layers.c `fwht_rows` turns blocks of up to this many channels (its stack buffer)
+
+
 class _Write(ctypes.Structure):
     """`kvf_write`: fmt 0 copies rows of the compute dtype, else quant_kernel's format/granularity codes."""
     _fields_ = [("data", _P), ("scales", _P), ("fmt", ctypes.c_int32), ("gran", ctypes.c_int32),
-                ("static_scale", ctypes.c_float)]
+                ("static_scale", ctypes.c_float), ("hadamard", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -253,6 +257,11 @@ def _bind_caches(plan: _Plan, caches: list) -> bool:
             return False
         k_view, v_view = kernel_views(cache)
         writes = [_write_for(p, plan.dtype) for p in pools]
+        for w, rotated in zip(writes, (getattr(cache, "rotate_k", False), getattr(cache, "rotate_v", False))):
+            if w is not None and rotated:  # stored Hadamard-rotated (kv/rotation.py): the C loop turns q/o too
+                if hadamard_block(plan.head_dim) > FWHT_MAX_BLOCK:
+                    return False
+                w.hadamard = hadamard_block(plan.head_dim)
         if (k_view is None or v_view is None or any(w is None for w in writes)
                 or (k_view.heads, k_view.dim, v_view.dim) != (plan.kv_heads, plan.head_dim, plan.head_dim)
                 or (parts and k_view.data.shape[:2] != parts[0][0].data.shape[:2])):  # one set of indices

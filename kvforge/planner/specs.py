@@ -33,22 +33,26 @@ def weights_dtype(cfg: dict[str, Any], override: str | None) -> str:
 
 def is_format_spec(text: str) -> bool:
     """True when `text` reads as a KV format (so a --compare item is a dtype, not a model)."""
-    head = re.split(r"[/@]", text.strip().lower())[0]
+    head = re.split(r"[/@:]", text.strip().lower())[0]
     return head == "auto" or head in ELEMENT_BYTES
 
 
 def plan_kv_format(spec: str, weights: str, default_granularity: str | None = None) -> KVCacheFormat:
-    """`fp8`, `fp8/fp16`, `int4@channel` or `auto` (= `weights`) as a KVCacheFormat, via the ledger's one grammar."""
+    """`fp8`, `fp8/fp16`, `int4@channel`, `int8:none` or `auto` (= `weights`) as a KVCacheFormat, via the ledger's
+    one grammar."""
     return parse_kv_format(spec, "--kv-cache-dtype").resolve(weights, default_granularity)
 
 
 def format_label(fmt: KVCacheFormat) -> str:
-    """Short table name: 'fp16', 'fp8/fp16' (K/V), with '@SCALES' when not the dtype's measured default."""
+    """Short table name: 'fp16', 'fp8/fp16' (K/V), with '@SCALES' when not the dtype's measured default and
+    ':none' when a quantized format is stored without the default Hadamard rotation."""
     k, v = SHORT.get(fmt.k_dtype, fmt.k_dtype), SHORT.get(fmt.v_dtype, fmt.v_dtype)
     name = k if k == v else f"{k}/{v}"
     quantized = {fmt.k_dtype, fmt.v_dtype} & QUANTIZED_DTYPES
     if quantized and fmt.scale_granularity not in (None, default_kv_scale(fmt.k_dtype, fmt.v_dtype)):
         name += f"@{fmt.scale_granularity}"
+    if quantized and fmt.rotation is None:
+        name += ":none"
     return name
 
 

@@ -36,7 +36,8 @@ def make_layer_caches(
         shape = cfg.kv_shape()
         return [
             QuantizedKVCache(n, block_size, shape.num_kv_heads, shape.head_dim, shape.value_dim,
-                             fmt.k_dtype, fmt.v_dtype, fmt.scale_granularity, compute_dtype or torch.float32, device)
+                             fmt.k_dtype, fmt.v_dtype, fmt.scale_granularity, compute_dtype or torch.float32, device,
+                             fmt.rotation)
             for n in per_layer
         ]
     if fmt.k_dtype not in SUPPORTED_DTYPES or fmt.v_dtype != fmt.k_dtype:

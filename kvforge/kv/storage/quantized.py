@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kvforge.kv.quant import get_format, is_quantized
+from kvforge.kv.rotation import ROTATIONS, hadamard_block, rotate
 from kvforge.kv.storage.k_or_v_stores import DenseStore, QuantStore
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -49,10 +50,16 @@ class QuantizedKVCache:
     def __init__(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
         k_dtype: str, v_dtype: str, granularity: str | None, compute_dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        device: torch.device | str = "cpu", rotation: str | None = None,
     ) -> None:
+        if rotation is not None and rotation not in ROTATIONS:
+            raise ValueError(f"kv cache rotation {rotation!r} must be one of {', '.join(ROTATIONS)} or None")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.compute_dtype = compute_dtype
+        # a quantized side is stored Hadamard-rotated (kv/rotation.py): attention rotates q when K is, and
+        # un-rotates its output when V is; a 16/32-bit side loses nothing to rotate away
+        self.rotate_k = bool(rotation) and is_quantized(k_dtype) and hadamard_block(head_dim) > 1
+        self.rotate_v = bool(rotation) and is_quantized(v_dtype) and hadamard_block(v_head_dim) > 1
         self.k_store = make_store(k_dtype, granularity, num_blocks, block_size, num_kv_heads, head_dim, device)
         self.v_store = make_store(
             v_dtype, value_granularity(granularity), num_blocks, block_size, num_kv_heads, v_head_dim, device
@@ -60,8 +67,8 @@ class QuantizedKVCache:
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if slot_mapping.numel():
-            self.k_store.write(slot_mapping, k)
-            self.v_store.write(slot_mapping, v)
+            self.k_store.write(slot_mapping, rotate(k) if self.rotate_k else k)
+            self.v_store.write(slot_mapping, rotate(v) if self.rotate_v else v)
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.k_store.gather(block_tables, self.compute_dtype),

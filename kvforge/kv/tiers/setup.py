@@ -44,7 +44,8 @@ def build_tiers(
     mover = BlockMover(caches)
     namespace = namespace_digest({
         "model": fingerprint, "k_dtype": cache_format.k_dtype, "v_dtype": cache_format.v_dtype,
-        "scales": cache_format.scale_granularity, "block_size": block_size, "layout": layout_description(caches),
+        "scales": cache_format.scale_granularity,
+        "rotation": cache_format.rotation, "block_size": block_size, "layout": layout_description(caches),
     })
     host = None
     if cfg.kv_offload_memory:

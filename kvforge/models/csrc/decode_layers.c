@@ -15,7 +15,10 @@
  * Scope (checked by the caller): decode rows only (a few rows), fp32 or bf16, caches in the compute dtype
  * or 8-bit (int8, fp8) with per-token, per-head or per-tensor scales (written through kv_quantize.c, as
  * the stores write them), no biases, SiLU gate, no per-head q/k norm; one KV cache layout for all layers.
+ * A quantized side stored Hadamard-rotated (kvforge/kv/rotation.py) is rotated here as there: K and q after
+ * rotary, V before its write, the attention output after the decode kernel (`fwht_rows`, the same bits).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,12 +54,14 @@ typedef struct {
 
 /* How one of K/V is written: fmt 0 copies rows of the compute dtype; 3/4/5 (fp8 e4m3, e5m2, int8) quantize
  * them with `gran` scales (1 tensor with `static_scale`, 2 token, 3 head, 4 channel: int8 K with a running
- * maximum per block) as the store's write does. */
+ * maximum per block) as the store's write does. `hadamard` > 1: the side is stored rotated in blocks of
+ * that many channels (K: q is rotated alike; V: the attention output is rotated back). */
 typedef struct {
     void *data;
     float *scales;
     int32_t fmt, gran;
     float static_scale;
+    int32_t hadamard;
 } kvf_write;
 
 typedef struct {
@@ -86,6 +91,33 @@ static int linear(const kvf_layer_fns *fn, const void *x, int64_t M, int64_t K, 
     if (fn->qlinear) return fn->qlinear(x, code, M, K, w, N, y, nthreads);
     fn->linear(x, M, K, w, N, NULL, y, nthreads);
     return 0;
+}
+
+/* Each of the `nvec` vectors of D channels (compute dtype, contiguous) times the normalized Hadamard matrix,
+ * in blocks of n channels: the butterfly of kv/rotation.py's `rotate` in its order (stride 1, 2, 4, ...),
+ * in fp32, then one multiply by 1/sqrt(n) and one rounding to the compute dtype, so both paths agree
+ * bit for bit. The matrix is symmetric and orthogonal: the same call rotates and rotates back. */
+static void fwht_rows(void *x, int64_t nvec, int64_t D, int n, int code) {
+    const float s = (float)(1.0 / sqrt((double)n));
+    float buf[1024];
+    for (int64_t r = 0; r < nvec; r++) {
+        for (int64_t b0 = 0; b0 < D; b0 += n) {
+            float *y = code == 0 ? (float *)x + r * D + b0 : buf;
+            if (code != 0)
+                for (int i = 0; i < n; i++) y[i] = bf16_to_f32(((const uint16_t *)x)[r * D + b0 + i]);
+            for (int h = 1; h < n; h *= 2)
+                for (int j = 0; j < n; j += 2 * h)
+                    for (int i = j; i < j + h; i++) {
+                        const float a = y[i], b = y[i + h];
+                        y[i] = a + b;
+                        y[i + h] = a - b;
+                    }
+            if (code == 0)
+                for (int i = 0; i < n; i++) y[i] = y[i] * s;
+            else
+                for (int i = 0; i < n; i++) ((uint16_t *)x)[r * D + b0 + i] = f32_to_bf16(y[i] * s);
+        }
+    }
 }
 
 /* Rows x [M, H, D] (compute dtype) into the pool at their slots, copied or quantized; nonzero: the quantizer
@@ -122,6 +154,11 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
         fn->rotary(qkv + qsz * esz, nqkv, cos_, sin_, k, M, HKV, D, code);
         /* the cache write: rotated K, and V as the matmul left it (gathered into rows for a quantizer) */
         for (int64_t r = 0; r < M; r++) memcpy(v + r * kvsz * esz, qkv + (r * nqkv + qsz + kvsz) * esz, kvsz * esz);
+        if (ly->k_write.hadamard > 1) { /* K stored Hadamard-rotated: q.k is unchanged when q turns alike */
+            fwht_rows(q, M * H, D, ly->k_write.hadamard, code);
+            fwht_rows(k, M * HKV, D, ly->k_write.hadamard, code);
+        }
+        if (ly->v_write.hadamard > 1) fwht_rows(v, M * HKV, D, ly->v_write.hadamard, code);
         if (write_rows(fn, &ly->k_write, k, M, HKV, D, slots, BS, code) ||
             write_rows(fn, &ly->v_write, v, M, HKV, D, slots, BS, code)) {
             rc = -1;
@@ -130,6 +167,7 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
         rc = fn->decode(q, ly->k_view, ly->v_view, tables, seq_lens, att, M, H, HKV, D, D, BS, MAXNB, ly->window,
                         scale, 0.f, code);
         if (rc) break;
+        if (ly->v_write.hadamard > 1) fwht_rows(att, M * H, D, ly->v_write.hadamard, code); /* R o -> o */
         if ((rc = linear(fn, att, M, qsz, ly->wo, hidden, o, code, nthreads))) break;
         residual_add(x, o, M * hidden, code);
         fn->rms_norm(x, hidden, ly->ln2, h, M, hidden, eps, 0.f, code);
