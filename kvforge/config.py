@@ -162,12 +162,12 @@ class CacheConfig:
     v_cache_dtype: str | None = option(None, "V alone (overrides --kv-cache-dtype)", choices=KV_CACHE_DTYPES)
     kv_cache_scale: str | None = option(
         None, "quantization scales: per token, per head, per channel (K only, per block), per tensor (static); "
-        "default: measured per dtype (fp8 per head, int8/int4 per token: docs/kv-quantization-at-length.md)",
+        "default: measured per dtype (per token for fp8, int8, int4: docs/kv-quantization-at-length.md)",
         choices=KV_CACHE_SCALES)
     kv_cache_rotation: str | None = option(
-        None, "how quantized K/V are stored: hadamard (each head's channels rotated before quantizing; exact "
-        "in attention; 2-4x less perplexity loss, measured) or none; default hadamard "
-        "(docs/kv-quantization-at-length.md)", choices=KV_ROTATIONS)
+        None, "how quantized K/V are stored: hadamard (each head's channels rotated before quantizing, exact in "
+        "attention), none, or auto (default: rotated in the layers where a start-up calibration prompt measures "
+        "it lowering the error; docs/kv-quantization-at-length.md)", choices=KV_ROTATIONS)
     kv_allocation: str = option(
         "paged", "paged = blocks as tokens arrive; contiguous = reserve max_model_len slots per sequence at "
         "admission, as a naive server does (for comparison: kvforge learn paging)", choices=KV_ALLOCATIONS)

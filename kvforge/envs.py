@@ -74,6 +74,7 @@ _DECLARED = (
     EnvVar("KVFORGE_FUSED_LAYERS", True, _flag, "0: decode steps run layer by layer in Python, not one C call"),
     EnvVar("KVFORGE_PANEL_LINEAR", True, _flag, "0: no panel linear kernels (oneDNN or torch linears)"),
     EnvVar("KVFORGE_KV_QUANT_KERNEL", True, _flag, "0: quantized KV writes quantize in torch"),
+    EnvVar("KVFORGE_KV_ROTATE", True, _flag, "0: a rotated KV cache's Hadamard rotation runs in torch (same bits)"),
     EnvVar("KVFORGE_ONEDNN_LINEAR", True, _flag, "0: fp32 CPU linears on torch's default BLAS, no oneDNN packing"),
     # --- backend choices ---
     EnvVar("KVFORGE_LINEAR", "auto", _choice("KVFORGE_LINEAR", LINEAR_BACKENDS),
@@ -98,6 +99,7 @@ if TYPE_CHECKING:  # what `envs.NAME` gives, for type checkers (the values come 
     KVFORGE_FUSED_LAYERS: bool
     KVFORGE_PANEL_LINEAR: bool
     KVFORGE_KV_QUANT_KERNEL: bool
+    KVFORGE_KV_ROTATE: bool
     KVFORGE_ONEDNN_LINEAR: bool
     KVFORGE_LINEAR: str
     KVFORGE_BF16_GEMM: str

@@ -35,19 +35,22 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 QUANTIZED_DTYPES = {"fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4"}
 # How a quantized side is stored besides its scales (kv/rotation.py): "hadamard" rotates each head's
-# channels before quantizing (exact: attention rotates q alike and un-rotates its output), "none" not.
-# Quantized caches default to "hadamard": on the recorded curve (planner/kv_quality.py) it loses less at
-# every layout measured both ways (fp8 e4m3 per head +1.45% -> +0.46% at 8K, int8 per token +0.23% ->
-# +0.05%). The rule is `planner.kv_quality.measured_default_rotation`.
-KV_ROTATIONS = ("hadamard", "none")
-DEFAULT_KV_ROTATION = "hadamard"
-# The scale granularity a quantized dtype gets when the user names none, chosen by the same measurement
-# for the default (rotated) storage: the cheapest layout that meets the dtype's target at 8K with the
-# measured rounding noise to spare, else the one that loses least. fp8 (3 or 2 mantissa bits) keeps per
-# head: per token meets 1% (+0.73%) but not with the 0.4-point margin, per head does (+0.46%). int8 keeps
-# per token (+0.05%). int4 has no quality target and keeps per token, its fewest bytes (K per channel
-# halves its loss for 22% more bytes a token). The rule is `planner.kv_quality.measured_default_scale`.
-DEFAULT_KV_SCALES: dict[str, str] = {"fp8": "head", "fp8_e4m3": "head", "fp8_e5m2": "head", "int8": "token",
+# channels before quantizing in every layer (exact: attention rotates q alike and un-rotates its output),
+# "none" never, "auto" per layer and side where a calibration prompt measures the rotation lowering the
+# attention error (engine/rotation_calibration.py). Quantized caches default to "auto": rotation lowers
+# int8's error in every layer of both measured models, but fp8's only in some (every layer rotated helped
+# SmolLM2's fp8 per head at 8K, +1.45% -> +0.46%, and hurt Gemma 3's at 32K, +0.64% -> +2.11%); auto's
+# worst over the two is the least (+0.95%). The rule is `planner.kv_quality.measured_default_rotation`.
+KV_ROTATIONS = ("auto", "hadamard", "none")
+DEFAULT_KV_ROTATION = "auto"
+# The scale granularity a quantized dtype gets when the user names none, chosen by the same measurements
+# (SmolLM2 at 8K, Gemma 3 at 32K, stored with the default rotation): the cheapest layout whose worst loss
+# over the two models meets the dtype's target with the measured rounding noise to spare, else the one whose
+# worst loss is least. fp8 gets per token: per token +0.72% / +0.68%, per head +0.95% / +0.68% (Gemma has
+# one KV head, so the two are one layout there); neither has the 0.4-point margin under 1%. int8 keeps per
+# token (+0.05% / +0.10%). int4 has no quality target and keeps per token, its fewest bytes.
+# The rule is `planner.kv_quality.measured_default_scale`.
+DEFAULT_KV_SCALES: dict[str, str] = {"fp8": "token", "fp8_e4m3": "token", "fp8_e5m2": "token", "int8": "token",
                                      "int4": "token"}
 
 
@@ -123,7 +126,8 @@ class KVCacheFormat:
     k_dtype: str = "float16"
     v_dtype: str = "float16"
     scale_granularity: str | None = None
-    rotation: str | None = None  # "hadamard": quantized sides stored rotated (same bytes); None: as computed
+    rotation: str | None = None  # "hadamard" / "auto" (per layer, calibrated): quantized sides stored rotated
+    # (same bytes); None: as computed
 
     def __post_init__(self) -> None:
         element_bytes(self.k_dtype)
@@ -132,8 +136,8 @@ class KVCacheFormat:
             raise ValueError(
                 f"scale_granularity {self.scale_granularity!r} must be one of tensor, token, head, channel"
             )
-        if self.rotation not in (None, "hadamard"):
-            raise ValueError(f"rotation {self.rotation!r} must be 'hadamard' or None")
+        if self.rotation not in (None, "auto", "hadamard"):
+            raise ValueError(f"rotation {self.rotation!r} must be 'auto', 'hadamard' or None")
 
     @classmethod
     def uniform(

@@ -162,7 +162,7 @@ def test_broken_command_import_is_an_error_naming_the_command(monkeypatch, capsy
 
 def test_help_shows_defaults(capsys):
     for argv, expected in ((["generate"], "(default: 128)"), (["chat"], "(default: 256)"),
-                           (["serve"], "(default: 8000)"), (["eval", "kv-quant"], "14 rows"),
+                           (["serve"], "(default: 8000)"), (["eval", "kv-quant"], "16 rows"),
                            (["plan"], "(default: 4096)"), (["bench", "serve"], "(default: 64)")):
         with pytest.raises(SystemExit):
             main([*argv, "--help"])

@@ -87,7 +87,7 @@ def test_unparsable_contexts_and_missing_subcommand_are_usage_errors(capsys):
 def test_variant_specs():
     assert Variant.parse("auto/fp8@channel").engine_changes() == {
         "kv_cache_dtype": "auto", "k_cache_dtype": "auto", "v_cache_dtype": "fp8_e4m3", "kv_cache_scale": "channel",
-        "kv_cache_rotation": "hadamard"}
+        "kv_cache_rotation": "auto"}
     assert Variant.parse("int4").kv_cache_scale == "token"
     assert Variant.parse("int8:none").engine_changes()["kv_cache_rotation"] == "none"
     with pytest.raises(ValueError, match="--formats"):

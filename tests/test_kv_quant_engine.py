@@ -109,7 +109,7 @@ def test_same_memory_holds_about_twice_the_blocks_at_8_bit(tiny_model_factory):
     assert blocks == {"fp16": 1048576 // (2 * 8192) - 1, "int8": 1048576 // (2 * 4224) - 1,
                       "fp8@tensor": 1048576 // (2 * 4096) - 1, "int4": 1048576 // (2 * (2048 + 128)) - 1}
     assert (blocks["fp16"], blocks["int8"], blocks["fp8@tensor"], blocks["int4"]) == (63, 123, 127, 239)
-    assert KVCacheFormat("int8", "int8", "token", "hadamard") == LLM(
+    assert KVCacheFormat("int8", "int8", "token", "auto") == LLM(
         model=path, log_ledger=False, num_kv_blocks=4, kv_cache_dtype="int8").engine.cache_format
 
 
@@ -172,12 +172,11 @@ def test_cache_dtype_options_resolve_and_validate():
     from kvforge.config import CacheConfig
     from kvforge.engine.args import EngineArgs, add_engine_cli_args, engine_args_from_cli
 
-    # fp8's default scales are per head, and quantized sides are stored Hadamard-rotated (measured:
-    # planner/kv_quality.py's recorded curve)
-    assert CacheConfig(kv_cache_dtype="fp8").cache_format("bfloat16") == KVCacheFormat(
-        "fp8_e4m3", "fp8_e4m3", "head", "hadamard")
+    # quantized sides default to the calibrated per-layer rotation (measured: planner/kv_quality.py)
+    fp8 = CacheConfig(kv_cache_dtype="fp8").cache_format("bfloat16")
+    assert (fp8.k_dtype, fp8.v_dtype, fp8.rotation) == ("fp8_e4m3", "fp8_e4m3", "auto")
     split = CacheConfig(kv_cache_dtype="int4", k_cache_dtype="auto", kv_cache_scale="head").cache_format("float16")
-    assert split == KVCacheFormat("float16", "int4", "head", "hadamard")
+    assert split == KVCacheFormat("float16", "int4", "head", "auto")
     assert CacheConfig(kv_cache_scale="channel").cache_format("float32") == KVCacheFormat("float32", "float32", None)
     for field, value in (("kv_cache_scale", "block"), ("v_cache_dtype", "int3"), ("k_cache_dtype", "fp4")):
         with pytest.raises(ValueError, match=field):
@@ -186,6 +185,6 @@ def test_cache_dtype_options_resolve_and_validate():
     add_engine_cli_args(parser)
     args = engine_args_from_cli(parser.parse_args(
         ["--k-cache-dtype", "auto", "--v-cache-dtype", "fp8", "--kv-cache-scale", "tensor"]))
-    assert args.cache_config.cache_format("float32") == KVCacheFormat("float32", "fp8_e4m3", "tensor", "hadamard")
+    assert args.cache_config.cache_format("float32") == KVCacheFormat("float32", "fp8_e4m3", "tensor", "auto")
     args = engine_args_from_cli(parser.parse_args(["--kv-cache-dtype", "int8", "--kv-cache-rotation", "none"]))
     assert args.cache_config.cache_format("float32") == KVCacheFormat("int8", "int8", "token", None)

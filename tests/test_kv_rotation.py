@@ -107,22 +107,88 @@ def test_only_quantized_sides_are_rotated():
         QuantizedKVCache(2, 16, 2, 64, 64, "int8", "int8", "token", torch.float32, rotation="random")
 
 
-def test_the_default_rotates_quantized_caches_and_none_is_honoured():
-    assert DEFAULT_KV_ROTATION == "hadamard"
-    assert CacheConfig(kv_cache_dtype="fp8").cache_format("bfloat16").rotation == "hadamard"
+def test_the_default_is_auto_and_each_choice_is_honoured():
+    assert DEFAULT_KV_ROTATION == "auto"
+    assert CacheConfig(kv_cache_dtype="fp8").cache_format("bfloat16").rotation == "auto"
+    assert CacheConfig(kv_cache_dtype="fp8", kv_cache_rotation="hadamard").cache_format("bfloat16").rotation == \
+        "hadamard"
     assert CacheConfig(kv_cache_dtype="int8", kv_cache_rotation="none").cache_format("float32").rotation is None
     assert CacheConfig().cache_format("bfloat16") == KVCacheFormat("bfloat16", "bfloat16", None, None)  # 16-bit
-    assert CacheConfig(k_cache_dtype="auto", v_cache_dtype="int8").cache_format("bfloat16").rotation == "hadamard"
+    assert CacheConfig(k_cache_dtype="auto", v_cache_dtype="int8").cache_format("bfloat16").rotation == "auto"
     with pytest.raises(ValueError, match="kv_cache_rotation"):
         CacheConfig(kv_cache_rotation="random")
+
+
+def test_auto_starts_with_the_integer_sides_rotated():
+    """Without a calibration (tensor-parallel ranks, caches built directly) "auto" rotates int8/int4 sides,
+    whose error the rotation lowered in every layer measured, and leaves fp8 sides plain."""
+    mixed = QuantizedKVCache(2, 16, 2, 64, 64, "fp8_e4m3", "int8", "token", torch.float32, rotation="auto")
+    assert (mixed.rotate_k, mixed.rotate_v) == (False, True)
+    assert mixed.rotatable == (True, True)
+
+
+def test_calibration_keeps_the_side_with_the_lower_attention_error():
+    """A key with one large channel: int8's step is set by it, so rotating lowers the error; fp8's step is
+    relative, and rotating spreads the large channel's rounding over channels the queries read, so plain
+    wins. `side_errors` measures exactly that, through scratch stores of the layer's own format."""
+    from kvforge.engine.rotation_calibration import side_errors
+
+    g = torch.Generator().manual_seed(0)
+    t, h, d = 128, 2, 64
+    k = torch.randn(t, h, d, generator=g)
+    k[..., 3] += 20
+    q, v = torch.randn(t, h, d, generator=g), torch.randn(t, h, d, generator=g)
+    q[..., 3] = 0
+    errs = {}
+    for dtype in ("int8", "fp8_e4m3"):
+        cache = QuantizedKVCache(8, 16, h, d, d, dtype, dtype, "head", torch.float32, rotation="auto")
+        errs[dtype] = side_errors(cache, q, k, v, 1 / 8, None, None)
+    assert errs["int8"]["k"][1] < errs["int8"]["k"][0] / 2
+    assert errs["fp8_e4m3"]["k"][0] < errs["fp8_e4m3"]["k"][1] / 2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_engine_calibrates_each_layer_and_says_so(tiny_model_factory, kv_cache_dtype):
+    """At start-up an "auto" engine runs the calibration prompt, sets each layer's sides to the lower measured
+    error, frees the prompt's blocks, names the counts in the ledger, and a rerun decides the same."""
+    from kvforge import LLM
+    from kvforge.engine.rotation_calibration import calibrate_rotation
+
+    path, _ = tiny_model_factory("llama_gqa")
+    engine = LLM(model=path, log_ledger=False, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype).engine
+    caches = engine.runner.caches
+    flags = [(c.rotate_k, c.rotate_v) for c in caches]
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert "Hadamard-rotated: K in" in engine.report.kv_dtype
+    errors = calibrate_rotation(engine)
+    assert len(errors) == len(caches)
+    for c, e in zip(caches, errors):
+        assert (c.rotate_k, c.rotate_v) == (e["k"][1] < e["k"][0], e["v"][1] < e["v"][0])
+    assert [(c.rotate_k, c.rotate_v) for c in caches] == flags
+    from kvforge import SamplingParams  # and an engine serves after calibrating
+    text = LLM(model=path, log_ledger=False, num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype).generate(
+        prompt_token_ids=[[5, 6, 7, 8]], sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(text[0].outputs[0].token_ids) == 4
+
+
+def test_calibration_refuses_a_busy_pool(tiny_model_factory):
+    from kvforge import LLM, SamplingParams
+    from kvforge.engine.rotation_calibration import calibrate_rotation
+
+    path, _ = tiny_model_factory("llama_gqa")
+    engine = LLM(model=path, log_ledger=False, num_kv_blocks=64, kv_cache_dtype="int8").engine
+    engine.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=2))
+    engine.step()
+    with pytest.raises(RuntimeError, match="rotation"):
+        calibrate_rotation(engine)
 
 
 def test_the_format_grammar_names_the_rotation():
     assert parse_kv_format("int8:none").resolve("float32") == KVCacheFormat("int8", "int8", "token", None)
     assert parse_kv_format("fp8@token:hadamard").resolve("float32").rotation == "hadamard"
-    assert parse_kv_format("fp8/fp16").resolve("float32").rotation == "hadamard"  # V is not quantized: K alone
+    assert parse_kv_format("fp8/fp16").resolve("float32").rotation == "auto"  # V is not quantized: K alone
     assert parse_kv_format("bf16:none").resolve("float32").rotation is None  # nothing quantized, nothing rotated
-    with pytest.raises(ValueError, match="--formats item.*rotation must be one of hadamard, none"):
+    with pytest.raises(ValueError, match="--formats item.*rotation must be one of auto, hadamard, none"):
         parse_kv_format("int8:random", "--formats item")
 
 
@@ -139,4 +205,7 @@ def test_a_rotated_cache_is_its_own_tier_namespace(monkeypatch):
     for rotation in ("hadamard", None):
         setup.build_tiers(caches, "model", KVCacheFormat("int8", "int8", "token", rotation), 16, 4,
                           TierConfig(kv_offload_memory="1MiB"), torch.device("cpu"))
-    assert len(seen) == 2 and seen[0] != seen[1]
+    caches[0].rotate_k = not caches[0].rotate_k  # "auto": the per-layer decisions are part of it too
+    setup.build_tiers(caches, "model", KVCacheFormat("int8", "int8", "token", None), 16, 4,
+                      TierConfig(kv_offload_memory="1MiB"), torch.device("cpu"))
+    assert len(set(seen)) == 3

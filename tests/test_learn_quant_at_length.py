@@ -49,7 +49,8 @@ def test_verdicts_follow_the_numbers():
     assert "does not show" in verdicts([base, tok, head, worse])[3]
     plain = FormatRow("int8:none", 4, {256: 10.02, 2048: 10.03})
     rotated = FormatRow("int8", 4, {256: 10.0, 2048: 10.005})
-    assert verdicts([base, plain, rotated])[-1].startswith("Hadamard rotation (int8) at 2048 tokens: 0.05% against 0.30%")
+    assert verdicts([base, plain, rotated])[-1].startswith(
+        "calibrated Hadamard rotation (int8) at 2048 tokens: 0.05% against 0.30%")
     assert "the rotation helps" in verdicts([base, plain, rotated])[-1]
     assert "does not help" in verdicts([base, FormatRow("int8:none", 4, {256: 10.0, 2048: 10.0}), rotated])[-1]
 

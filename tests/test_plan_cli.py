@@ -80,8 +80,8 @@ def test_compare_dtypes_and_separate_k_v(capsys):
     code, out, _ = plan(capsys, "--model", "llama-3-8b", "--compare", "fp16,fp8,int4@tensor,fp8/fp16", "--json")
     per_token = [c["kv_bytes"]["per_token"] for c in json.loads(out)["configs"]]
     assert code == 0
-    # fp8 takes per-head scales by default (ledger.DEFAULT_KV_SCALES, measured): 4 bytes per KV head per token
-    assert per_token == [131072, 32 * (2048 + 2 * 8 * 4), 32768, 32 * (1024 + 8 * 4 + 2048)]
+    # fp8 takes per-token scales by default (ledger.DEFAULT_KV_SCALES, measured): 4 bytes per token for K and V
+    assert per_token == [131072, 32 * (2048 + 2 * 4), 32768, 32 * (1024 + 4 + 2048)]
 
 
 def test_kv_cache_dtype_and_scales_flags(capsys):

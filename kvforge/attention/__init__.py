@@ -63,6 +63,9 @@ def paged_attention(
     q: torch.Tensor, cache, meta: AttentionMetadata, scale: float,  # type: ignore[no-untyped-def]
     sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
+    recorded = getattr(cache, "recorded", None)
+    if recorded is not None:  # the rotation's calibration prompt (engine/calibration.py): what this layer reads
+        recorded["q"].append((q.detach().clone(), scale, sliding_window, softcap))
     if getattr(cache, "rotate_k", False):  # K is stored rotated (kv/rotation.py): (Rq).(Rk) = q.k
         q = rotate(q)
     out = _dispatch(q, cache, meta, scale, sliding_window, softcap)

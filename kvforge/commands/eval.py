@@ -1,8 +1,9 @@
 """`kvforge eval kv-quant`: perplexity, KL and greedy agreement of each KV-cache format vs the unquantized cache.
 
-The default run measures 14 rows (the unquantized reference + 13 formats), each
-over 3 perplexity contexts and 20 greedy prompts: about 9 minutes on a 2-core
-CPU with the default model. A bar with an ETA shows progress on a terminal.
+The default run measures 16 rows (the unquantized reference + 15 formats, two of
+them fp8 and int8 stored without the default Hadamard rotation), each over 3
+perplexity contexts and 20 greedy prompts: about 10 minutes on a 2-core CPU with
+the default model. A bar with an ETA shows progress on a terminal.
 
 Example:
   kvforge eval kv-quant                                   # default model, every format, full run
@@ -33,7 +34,7 @@ def _int_list(flag: str):  # type: ignore[no-untyped-def]
 
 
 HELP = "quality cost of each KV-cache format (perplexity, KL, greedy agreement)"
-DEFAULT_ROWS = 14  # the reference + the 13 quantized DEFAULT_VARIANTS; a test keeps this true
+DEFAULT_ROWS = 16  # the reference + the 15 quantized DEFAULT_VARIANTS; a test keeps this true
 
 # EvalOptions field -> the flag that sets it (error messages name the flag)
 EVAL_FLAGS = {

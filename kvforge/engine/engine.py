@@ -25,6 +25,7 @@ from kvforge.engine.kv_eviction import EvictionTracker, check_eviction_supported
 from kvforge.engine.logits_processors import bad_words_token_ids
 from kvforge.engine.model_runner import ModelRunner
 from kvforge.engine.output_processor import OutputProcessor
+from kvforge.engine.rotation_calibration import auto_rotation_caches, calibrate_rotation, describe_rotation
 from kvforge.engine.outputs import RequestOutput
 from kvforge.engine.request import Request, RequestStatus
 from kvforge.engine.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ from kvforge.engine.request_check import RequestLimits, check_request
 from kvforge.engine.kv_map import KVMapObserver
 from kvforge.engine.scheduler import Scheduler, SchedulerOutput
 from kvforge.engine.structured.manager import StructuredOutputManager
-from kvforge.engine.startup_report import StartupReport, build_startup_report
+from kvforge.engine.startup_report import StartupReport, build_startup_report, describe_kv_dtype
 from kvforge.engine.calibration import calibrate_static_scales
 from kvforge.kv.storage.build import make_layer_caches
 from kvforge.kv.contiguous import make_coordinator
@@ -177,6 +178,9 @@ class LLMEngine:
         self.report.dtype_reason = self.dtype_reason
         if self.gpu_memory is not None:
             self.report.kv_sizing = self.gpu_memory.describe()
+        if self.executor is None and auto_rotation_caches(caches):  # kv_cache_rotation="auto": measured per layer
+            calibrate_rotation(self)
+            self.report.kv_dtype = describe_kv_dtype(self.cache_format, describe_rotation(caches))
         if config.log_ledger:
             print(self.report.render(), file=sys.stderr, flush=True)
         calibrate_static_scales(self)  # kv_cache_scale="tensor" only: fix the static scales on real text

@@ -142,6 +142,21 @@ def build_startup_report(
     return report
 
 
+def describe_kv_dtype(fmt: KVCacheFormat, rotation: str = "") -> str:
+    """The ledger's kv cache dtype line: dtypes, how the scales are laid out ("channel" is K only) and where
+    quantized sides are stored rotated (`rotation`: the caches' own words, else what the format implies)."""
+    kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
+    if not fmt.scale_granularity:
+        return kv_dtype
+    scales = f"per {fmt.scale_granularity}"
+    if fmt.scale_granularity == "channel":
+        scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
+    if not rotation:
+        rotation = {"hadamard": "Hadamard-rotated", None: "not rotated",
+                    "auto": "integer sides Hadamard-rotated (no calibration)"}[fmt.rotation]
+    return f"{kv_dtype} (scales {scales}; {rotation})"
+
+
 def report_for(
     cfg: ModelConfig, shape: KVShape, fmt: KVCacheFormat, groups: list[KVGroup], block_size: int, max_model_len: int,
     allocated: int, config: EngineConfig, device: str, weights: int, linear: str,
@@ -149,15 +164,7 @@ def report_for(
     """The report from figures already known: `shape` is what one device caches, `allocated` its KV bytes
     (tensor parallelism: kvforge/engine/parallel/setup.py passes one rank's)."""
     per_block = kv_bytes_per_block(shape, block_size, fmt)
-    kv_dtype = fmt.k_dtype if fmt.k_dtype == fmt.v_dtype else f"K {fmt.k_dtype}, V {fmt.v_dtype}"
-    if fmt.scale_granularity:  # quantized: say how the scales are laid out ("channel" is K only)
-        scales = f"per {fmt.scale_granularity}"
-        if fmt.scale_granularity == "channel":
-            scales = "per channel for K, per token for V" if fmt.k_dtype in QUANTIZED_DTYPES else "per token"
-        rotated = {"K and V": fmt.k_dtype in QUANTIZED_DTYPES and fmt.v_dtype in QUANTIZED_DTYPES,
-                   "K": fmt.k_dtype in QUANTIZED_DTYPES, "V": fmt.v_dtype in QUANTIZED_DTYPES}
-        turn = next((side for side, yes in rotated.items() if yes), "") if fmt.rotation else ""
-        kv_dtype += f" (scales {scales}" + (f"; {turn} Hadamard-rotated" if turn else "; not rotated") + ")"
+    kv_dtype = describe_kv_dtype(fmt)
     return StartupReport(
         model=config.model_options.model or "SmolLM2-135M-Instruct (default)",
         architecture=cfg.architecture,

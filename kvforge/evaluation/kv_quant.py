@@ -44,9 +44,9 @@ from kvforge.ledger import (
 )
 
 DEFAULT_VARIANTS = (
-    "auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3@tensor", "int8", "int8@head", "int8@channel",
-    "int8@tensor", "int4", "int4@head", "int4@channel", "auto/fp8_e4m3", "auto/int4",
-)
+    "auto", "bfloat16", "fp8_e4m3", "fp8_e4m3:none", "fp8_e5m2", "fp8_e4m3@tensor", "int8", "int8:none", "int8@head",
+    "int8@channel", "int8@tensor", "int4", "int4@head", "int4@channel", "auto/fp8_e4m3", "auto/int4",
+)  # ":none": stored plain, beside the default Hadamard-rotated rows
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ def storage_label(row: RowResult) -> str:
     name = k if k == v else f"K {k} / V {v}"
     if row.scale is not None:
         scale = "K chan, V tok" if row.scale == "channel" else row.scale
-        name += f" @{scale}" + (", hadamard" if row.rotation else ", plain")
+        name += f" @{scale}, " + (row.rotation or "plain")  # auto: rotated where calibration measured it better
     return name
 
 

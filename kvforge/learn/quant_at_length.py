@@ -12,7 +12,8 @@ served long prompt does. The perplexity at context L is that of the window's fir
 pass per format gives every length (the same numbers `kvforge eval kv-quant --contexts` gives for one
 window). It prints the perplexity increase over the unquantized cache at each length, and the increase
 on the last span of the window alone (the tokens that see the longest context), for per-head fp8 and
-int8 stored plain and Hadamard-rotated (kvforge's default, kv/rotation.py), and K 16-bit / V fp8.
+int8 stored plain and with the calibrated Hadamard rotation (kvforge's default, kv/rotation.py), and K 16-bit /
+V fp8.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from kvforge.learn.common import render_table
 CONTEXTS = (512, 1024, 2048, 4096, 8192)
 QUICK_CONTEXTS = (256, 512, 1024, 2048)
 # K/V format rows (the ledger's grammar): per-head fp8 stored plain (the default before the rotation) and
-# Hadamard-rotated (the default now), the K-16-bit recipe, and int8 plain and rotated
+# with the calibrated rotation (the default storage now), the K-16-bit recipe, and int8 plain and calibrated
 FORMATS = ("fp8_e4m3@head:none", "fp8_e4m3@head", "bfloat16/fp8_e4m3@head:none", "int8:none", "int8")
 CHUNK = 1024  # tokens per scoring pass: later chunks read the earlier ones back from the quantized cache
 
@@ -91,8 +92,8 @@ def verdicts(rows: list[FormatRow]) -> list[str]:
         rotated = rest.get(spec[: -len(":none")]) if spec.endswith(":none") else None
         if rotated is not None:
             a, b = abs(increase(rotated, base, last)), abs(increase(plain, base, last))
-            out.append(f"Hadamard rotation ({rotated.spec}) at {last} tokens: {a:.2f}% against {b:.2f}% stored plain: "
-                       + ("the rotation helps" if a < b else "the rotation does not help here"))
+            out.append(f"calibrated Hadamard rotation ({rotated.spec}) at {last} tokens: {a:.2f}% against {b:.2f}% "
+                       "stored plain: " + ("the rotation helps" if a < b else "the rotation does not help here"))
     return out
 
 

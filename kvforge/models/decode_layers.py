@@ -30,9 +30,8 @@ from kvforge import envs
 from kvforge.attention import cpu_kernel
 from kvforge.attention.metadata import AttentionMetadata
 from kvforge.attention.cpu_paged import kernel_views
-from kvforge.kv import quant_kernel
 from kvforge.kv.storage.dense import DenseKVCache
-from kvforge.kv.rotation import hadamard_block
+from kvforge.kv import quant_kernel, rotation
 from kvforge.kv.storage.quantized import QuantizedKVCache
 from kvforge.models import fused, panel_linear, quant_linear
 from kvforge.models.layers import GatedMLP
@@ -44,10 +43,8 @@ GRAN_TENSOR = quant_kernel.GRANULARITY_CODES["tensor"]
 
 
 class _Fns(ctypes.Structure):
-    _fields_ = [("linear", _P), ("qlinear", _P), ("rms_norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P), ("quantize", _P)]
-
-
-FWHT_MAX_BLOCK = 1024  # decode_layers.c `fwht_rows` turns blocks of up to this many channels (its stack buffer)
+    _fields_ = [("linear", _P), ("qlinear", _P), ("rms_norm", _P), ("rotary", _P), ("silu_mul", _P), ("decode", _P), ("quantize", _P),
+                ("hadamard", _P)]
 
 
 class _Write(ctypes.Structure):
@@ -160,9 +157,11 @@ def _fns(dtype: torch.dtype, quant: bool = False, group: int | None = None) -> _
     if lin is None or ops is None or dec is None:
         return None
     qnt = quant_kernel.LIBRARY.load()  # optional: without it, 8-bit caches keep the Python layers
+    had = rotation.LIBRARY.load()  # optional: without it, rotated caches keep the Python layers
     dense = 0 if quant else _address(lin, "kvf_panel_linear" if dtype == torch.float32 else "kvf_panel_linear_bf16")
     return _Fns(dense, _address(lin, "kvf_qlinear_desc") if quant else 0, _address(ops, "kvf_rms_norm"), _address(ops, "kvf_rotary"), _address(ops, "kvf_silu_mul"),
-                _address(dec, "kvf_paged_decode"), _address(qnt, "kvf_quantize_rows") if qnt is not None else 0)
+                _address(dec, "kvf_paged_decode"), _address(qnt, "kvf_quantize_rows") if qnt is not None else 0,
+                _address(had, "kvf_hadamard_rows") if had is not None else 0)
 
 
 def run_decode_layers(
@@ -203,7 +202,7 @@ def run_decode_layers(
         0 if x.dtype == torch.float32 else 1, torch.get_num_threads(),
     )
     if rc != 0:
-        raise MemoryError("the fused decode layers could not allocate their scratch buffers")
+        raise MemoryError(f"the fused decode layers could not allocate their scratch buffers (code {rc})")
     return x
 
 
@@ -259,9 +258,9 @@ def _bind_caches(plan: _Plan, caches: list) -> bool:
         writes = [_write_for(p, plan.dtype) for p in pools]
         for w, rotated in zip(writes, (getattr(cache, "rotate_k", False), getattr(cache, "rotate_v", False))):
             if w is not None and rotated:  # stored Hadamard-rotated (kv/rotation.py): the C loop turns q/o too
-                if hadamard_block(plan.head_dim) > FWHT_MAX_BLOCK:
+                if not plan.fns.hadamard or rotation.hadamard_block(plan.head_dim) > rotation.HADAMARD_MAX:
                     return False
-                w.hadamard = hadamard_block(plan.head_dim)
+                w.hadamard = rotation.hadamard_block(plan.head_dim)
         if (k_view is None or v_view is None or any(w is None for w in writes)
                 or (k_view.heads, k_view.dim, v_view.dim) != (plan.kv_heads, plan.head_dim, plan.head_dim)
                 or (parts and k_view.data.shape[:2] != parts[0][0].data.shape[:2])):  # one set of indices

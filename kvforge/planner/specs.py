@@ -10,8 +10,8 @@ import re
 from typing import Any
 
 from kvforge.ledger import (
-    ELEMENT_BYTES, KV_SCALE_GRANULARITIES, QUANTIZED_DTYPES, KVCacheFormat, canonical_kv_dtype, default_kv_scale,
-    parse_bytes, parse_kv_format,
+    DEFAULT_KV_ROTATION, ELEMENT_BYTES, KV_SCALE_GRANULARITIES, QUANTIZED_DTYPES, KVCacheFormat, canonical_kv_dtype,
+    default_kv_scale, parse_bytes, parse_kv_format,
 )
 
 GRANULARITIES = KV_SCALE_GRANULARITIES  # --kv-scales choices
@@ -45,14 +45,14 @@ def plan_kv_format(spec: str, weights: str, default_granularity: str | None = No
 
 def format_label(fmt: KVCacheFormat) -> str:
     """Short table name: 'fp16', 'fp8/fp16' (K/V), with '@SCALES' when not the dtype's measured default and
-    ':none' when a quantized format is stored without the default Hadamard rotation."""
+    ':ROTATION' when a quantized format is not stored with the default rotation ("auto")."""
     k, v = SHORT.get(fmt.k_dtype, fmt.k_dtype), SHORT.get(fmt.v_dtype, fmt.v_dtype)
     name = k if k == v else f"{k}/{v}"
     quantized = {fmt.k_dtype, fmt.v_dtype} & QUANTIZED_DTYPES
     if quantized and fmt.scale_granularity not in (None, default_kv_scale(fmt.k_dtype, fmt.v_dtype)):
         name += f"@{fmt.scale_granularity}"
-    if quantized and fmt.rotation is None:
-        name += ":none"
+    if quantized and fmt.rotation != DEFAULT_KV_ROTATION:
+        name += f":{fmt.rotation or 'none'}"
     return name
 
 

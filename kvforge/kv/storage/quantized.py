@@ -16,10 +16,12 @@ bytes allocated here against it.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvforge.kv.quant import get_format, is_quantized
-from kvforge.kv.rotation import ROTATIONS, hadamard_block, rotate
+from kvforge.kv.rotation import ROTATIONS, hadamard_block, rotate, rotated_without_calibration
 from kvforge.kv.storage.k_or_v_stores import DenseStore, QuantStore
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -57,15 +59,25 @@ class QuantizedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.compute_dtype = compute_dtype
         # a quantized side is stored Hadamard-rotated (kv/rotation.py): attention rotates q when K is, and
-        # un-rotates its output when V is; a 16/32-bit side loses nothing to rotate away
-        self.rotate_k = bool(rotation) and is_quantized(k_dtype) and hadamard_block(head_dim) > 1
-        self.rotate_v = bool(rotation) and is_quantized(v_dtype) and hadamard_block(v_head_dim) > 1
+        # un-rotates its output when V is; a 16/32-bit side loses nothing to rotate away. Under "auto" the
+        # engine's calibration may set these per layer (engine/calibration.py `calibrate_rotation`).
+        self.rotation = rotation
+        self.rotatable = (is_quantized(k_dtype) and hadamard_block(head_dim) > 1,
+                          is_quantized(v_dtype) and hadamard_block(v_head_dim) > 1)
+        self.rotate_k = self.rotatable[0] and rotated_without_calibration(rotation, k_dtype)
+        self.rotate_v = self.rotatable[1] and rotated_without_calibration(rotation, v_dtype)
+        # calibration only: the K/V each write brings and the (q, scale, window, softcap) each attention call
+        # reads, in call order (None: not recording)
+        self.recorded: dict[str, list[Any]] | None = None
         self.k_store = make_store(k_dtype, granularity, num_blocks, block_size, num_kv_heads, head_dim, device)
         self.v_store = make_store(
             v_dtype, value_granularity(granularity), num_blocks, block_size, num_kv_heads, v_head_dim, device
         )
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.recorded is not None:
+            self.recorded["k"].append(k.detach().clone())
+            self.recorded["v"].append(v.detach().clone())
         if slot_mapping.numel():
             self.k_store.write(slot_mapping, rotate(k) if self.rotate_k else k)
             self.v_store.write(slot_mapping, rotate(v) if self.rotate_v else v)

@@ -45,7 +45,9 @@ def build_tiers(
     namespace = namespace_digest({
         "model": fingerprint, "k_dtype": cache_format.k_dtype, "v_dtype": cache_format.v_dtype,
         "scales": cache_format.scale_granularity,
-        "rotation": cache_format.rotation, "block_size": block_size, "layout": layout_description(caches),
+        "rotation": cache_format.rotation,
+        "rotated": [[bool(getattr(c, "rotate_k", False)), bool(getattr(c, "rotate_v", False))] for c in caches],
+        "block_size": block_size, "layout": layout_description(caches),
     })
     host = None
     if cfg.kv_offload_memory:

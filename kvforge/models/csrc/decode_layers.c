@@ -15,10 +15,10 @@
  * Scope (checked by the caller): decode rows only (a few rows), fp32 or bf16, caches in the compute dtype
  * or 8-bit (int8, fp8) with per-token, per-head or per-tensor scales (written through kv_quantize.c, as
  * the stores write them), no biases, SiLU gate, no per-head q/k norm; one KV cache layout for all layers.
- * A quantized side stored Hadamard-rotated (kvforge/kv/rotation.py) is rotated here as there: K and q after
- * rotary, V before its write, the attention output after the decode kernel (`fwht_rows`, the same bits).
+ * A quantized side stored Hadamard-rotated (kvforge/kv/rotation.py) is rotated here as there, by the same
+ * C function (kv_rotate.c's `kvf_hadamard_rows`): K and q after rotary, V before its write, the attention
+ * output after the decode kernel.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +38,7 @@ typedef void (*silu_mul_fn)(const void *gu, void *out, int64_t T, int64_t I, int
 typedef int (*quantize_fn)(const void *x, int64_t N, int64_t H, int64_t D, int code, int fmt, int gran,
                            float static_scale, int64_t block_size, const int64_t *slots, uint8_t *codes,
                            float *scales);
+typedef int (*hadamard_fn)(const void *src, void *dst, int64_t nvec, int64_t D, int n, int code);
 typedef int (*decode_fn)(const void *q, const void *K, const void *V, const int64_t *tables, const int64_t *seq_lens,
                          void *out, int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t DV, int64_t BS,
                          int64_t MAXNB, int64_t window, float scale, float softcap, int dtype_code);
@@ -50,6 +51,7 @@ typedef struct {
     silu_mul_fn silu_mul;
     decode_fn decode;
     quantize_fn quantize; /* kv_quantize.c: 8-bit caches' writes */
+    hadamard_fn hadamard; /* kv_rotate.c: a rotated cache's q, K, V and output (NULL: no rotated layer) */
 } kvf_layer_fns;
 
 /* How one of K/V is written: fmt 0 copies rows of the compute dtype; 3/4/5 (fp8 e4m3, e5m2, int8) quantize
@@ -93,33 +95,6 @@ static int linear(const kvf_layer_fns *fn, const void *x, int64_t M, int64_t K, 
     return 0;
 }
 
-/* Each of the `nvec` vectors of D channels (compute dtype, contiguous) times the normalized Hadamard matrix,
- * in blocks of n channels: the butterfly of kv/rotation.py's `rotate` in its order (stride 1, 2, 4, ...),
- * in fp32, then one multiply by 1/sqrt(n) and one rounding to the compute dtype, so both paths agree
- * bit for bit. The matrix is symmetric and orthogonal: the same call rotates and rotates back. */
-static void fwht_rows(void *x, int64_t nvec, int64_t D, int n, int code) {
-    const float s = (float)(1.0 / sqrt((double)n));
-    float buf[1024];
-    for (int64_t r = 0; r < nvec; r++) {
-        for (int64_t b0 = 0; b0 < D; b0 += n) {
-            float *y = code == 0 ? (float *)x + r * D + b0 : buf;
-            if (code != 0)
-                for (int i = 0; i < n; i++) y[i] = bf16_to_f32(((const uint16_t *)x)[r * D + b0 + i]);
-            for (int h = 1; h < n; h *= 2)
-                for (int j = 0; j < n; j += 2 * h)
-                    for (int i = j; i < j + h; i++) {
-                        const float a = y[i], b = y[i + h];
-                        y[i] = a + b;
-                        y[i + h] = a - b;
-                    }
-            if (code == 0)
-                for (int i = 0; i < n; i++) y[i] = y[i] * s;
-            else
-                for (int i = 0; i < n; i++) ((uint16_t *)x)[r * D + b0 + i] = f32_to_bf16(y[i] * s);
-        }
-    }
-}
-
 /* Rows x [M, H, D] (compute dtype) into the pool at their slots, copied or quantized; nonzero: the quantizer
  * could not allocate its scratch. */
 static int write_rows(const kvf_layer_fns *fn, const kvf_write *w, const char *x, int64_t M, int64_t H, int64_t D,
@@ -154,11 +129,16 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
         fn->rotary(qkv + qsz * esz, nqkv, cos_, sin_, k, M, HKV, D, code);
         /* the cache write: rotated K, and V as the matmul left it (gathered into rows for a quantizer) */
         for (int64_t r = 0; r < M; r++) memcpy(v + r * kvsz * esz, qkv + (r * nqkv + qsz + kvsz) * esz, kvsz * esz);
-        if (ly->k_write.hadamard > 1) { /* K stored Hadamard-rotated: q.k is unchanged when q turns alike */
-            fwht_rows(q, M * H, D, ly->k_write.hadamard, code);
-            fwht_rows(k, M * HKV, D, ly->k_write.hadamard, code);
+        if (ly->k_write.hadamard > 1 && /* K stored Hadamard-rotated: q.k is unchanged when q turns alike */
+            (fn->hadamard(q, q, M * H, D, ly->k_write.hadamard, code) ||
+             fn->hadamard(k, k, M * HKV, D, ly->k_write.hadamard, code))) {
+            rc = -3;
+            break;
         }
-        if (ly->v_write.hadamard > 1) fwht_rows(v, M * HKV, D, ly->v_write.hadamard, code);
+        if (ly->v_write.hadamard > 1 && fn->hadamard(v, v, M * HKV, D, ly->v_write.hadamard, code)) {
+            rc = -3;
+            break;
+        }
         if (write_rows(fn, &ly->k_write, k, M, HKV, D, slots, BS, code) ||
             write_rows(fn, &ly->v_write, v, M, HKV, D, slots, BS, code)) {
             rc = -1;
@@ -167,7 +147,10 @@ int kvf_decode_layers(const kvf_layer_fns *fn, const kvf_layer *layers, int64_t 
         rc = fn->decode(q, ly->k_view, ly->v_view, tables, seq_lens, att, M, H, HKV, D, D, BS, MAXNB, ly->window,
                         scale, 0.f, code);
         if (rc) break;
-        if (ly->v_write.hadamard > 1) fwht_rows(att, M * H, D, ly->v_write.hadamard, code); /* R o -> o */
+        if (ly->v_write.hadamard > 1 && fn->hadamard(att, att, M * H, D, ly->v_write.hadamard, code)) { /* R o -> o */
+            rc = -3;
+            break;
+        }
         if ((rc = linear(fn, att, M, qsz, ly->wo, hidden, o, code, nthreads))) break;
         residual_add(x, o, M * hidden, code);
         fn->rms_norm(x, hidden, ly->ln2, h, M, hidden, eps, 0.f, code);
