@@ -89,6 +89,30 @@ def test_fused_steps_over_quantized_weights_equal_the_python_layers_bitwise(tiny
     assert len(hidden) == len(ref_hidden) and all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
 
 
+def test_a_changed_rotation_rebuilds_the_fused_table(tiny_model_factory, monkeypatch):
+    """The fused call's per-layer table holds each layer's rotation; a calibration that changes it afterwards
+    (engine/rotation_calibration.py) must not leave the C loop writing the old way: the next step rebinds,
+    and fused steps still equal the Python layers' bitwise."""
+    path, _ = tiny_model_factory("llama_d64")
+
+    def flip(llm):
+        for cache in llm.engine.runner.caches:
+            cache.rotate_k, cache.rotate_v = not cache.rotate_k, not cache.rotate_v
+
+    def run(fused: bool):
+        from kvforge import LLM, SamplingParams
+
+        monkeypatch.setenv("KVFORGE_FUSED_LAYERS", "1" if fused else "0")
+        llm = LLM(model=path, dtype="float32", log_ledger=False, num_kv_blocks=64, kv_cache_dtype="int8")
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        first = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)  # binds the table
+        flip(llm)
+        second = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        return [o.outputs[0].token_ids for o in first + second]
+
+    assert run(True) == run(False)
+
+
 def test_steps_outside_its_reach_run_the_python_layers(tiny_model_factory, monkeypatch):
     """int4 and fp8 per-channel caches, KV eviction's attention scoring, and oneDNN-only weights: never served
     (prefill steps never are either: served counts decode steps only)."""

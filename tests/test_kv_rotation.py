@@ -209,3 +209,19 @@ def test_a_rotated_cache_is_its_own_tier_namespace(monkeypatch):
     setup.build_tiers(caches, "model", KVCacheFormat("int8", "int8", "token", None), 16, 4,
                       TierConfig(kv_offload_memory="1MiB"), torch.device("cpu"))
     assert len(set(seen)) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+def test_the_c_and_torch_rotations_give_the_same_bits(dtype, d):
+    """CPU rotates in C (kv/csrc/kv_rotate.c, also the fused decode call's), CUDA in torch: the same additions
+    in the same order, so a cache written by one path reads the same through the other; in place too."""
+    from kvforge.kv.rotation import LIBRARY, rotate_torch
+
+    if LIBRARY.load() is None:
+        pytest.skip(f"no C rotation here: {LIBRARY.error}")
+    x = torch.randn(301, 7, d, generator=torch.Generator().manual_seed(d)).to(dtype)
+    want = rotate_torch(x)
+    assert torch.equal(rotate(x), want)
+    y = x.clone()
+    assert rotate(y, out=y) is y and torch.equal(y, want)

@@ -64,14 +64,16 @@ def paged_attention(
     sliding_window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     recorded = getattr(cache, "recorded", None)
-    if recorded is not None:  # the rotation's calibration prompt (engine/calibration.py): what this layer reads
+    if recorded is not None:  # the rotation's calibration prompt (engine/rotation_calibration.py)
         recorded["q"].append((q.detach().clone(), scale, sliding_window, softcap))
     if getattr(cache, "rotate_k", False):  # K is stored rotated (kv/rotation.py): (Rq).(Rk) = q.k
         q = rotate(q)
     out = _dispatch(q, cache, meta, scale, sliding_window, softcap)
     if meta.attention_mass is not None:  # KV eviction's scores: only when a scored policy is on
         accumulate_attention_mass(q, cache, meta, scale, softcap)
-    return rotate(out) if getattr(cache, "rotate_v", False) else out  # sum of p * Rv = R o; R is its own inverse
+    if getattr(cache, "rotate_v", False):  # sum of p * Rv = R o; R is its own inverse (out is ours: in place)
+        out = rotate(out, out=out) if out.is_contiguous() else rotate(out)
+    return out
 
 
 def _dispatch(

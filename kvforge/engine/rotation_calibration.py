@@ -12,7 +12,7 @@ engine measures (benchmarks/results/2026-12-06_kv_rotation_layer_errors_smollm2_
 How: at start-up the engine runs one calibration prompt (`calibration.calibration_text`, the text the static
 scales use, `ROTATION_CALIBRATION_TOKENS` long) through the paged path while each "auto" layer records the
 K/V it writes and the queries it attends with. Per layer and side it then compares the relative error of the
-attention output of the prompt's positions (`CALIBRATION_QUERIES`, all of them), the other side exact, between the side
+attention output of every position of the prompt, the other side exact, between the side
 round-tripped through its own format (a scratch store of the layer's dtype and scales) plain and rotated,
 and keeps the lower. The prompt's blocks leave the
 prefix cache. The decisions are a deterministic function of model, format and text, are printed in the
@@ -30,9 +30,6 @@ from kvforge.kv.rotation import rotate, rotated_without_calibration
 from kvforge.kv.storage.quantized import make_store, value_granularity
 
 ROTATION_CALIBRATION_TOKENS = 512
-# the prompt's positions whose attention error decides: all of them, as in the measured runs (the last 128 alone
-# take a quarter of the time, and were not measured at length)
-CALIBRATION_QUERIES = ROTATION_CALIBRATION_TOKENS
 
 
 def auto_rotation_caches(caches: list[Any]) -> list[Any]:
@@ -115,7 +112,7 @@ def calibrate_rotation(engine: Any, token_ids: list[int] | None = None) -> list[
         for cache, rec in zip(caches, recorded):
             if not rec["q"] or not rec["k"]:
                 raise RuntimeError("the rotation's calibration prefill did not reach every layer")
-            q = torch.cat([x[0] for x in rec["q"]])[-CALIBRATION_QUERIES:]
+            q = torch.cat([x[0] for x in rec["q"]])
             k, v = torch.cat(rec["k"]), torch.cat(rec["v"])
             _, scale, window, softcap = rec["q"][0]
             errors = side_errors(cache, q, k, v, scale, window, softcap)

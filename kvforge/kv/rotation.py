@@ -6,8 +6,8 @@ per-head scale is set by one channel and every other channel is rounded coarsely
 channel's relative error dominates the logit (fp8, whose step is relative). An orthogonal rotation R of
 each head's channels spreads that energy evenly and changes nothing exact: (R q).(R k) = q.k, and the
 attention output over R v is R o, which R^T brings back. QuaRot (Ashkboos et al. 2024) and SpinQuant
-rotate this way; kvforge measured it on the default model at 8K (docs/kv-quantization-at-length.md):
-fp8 e4m3 per head +1.45% -> +0.6% perplexity, int8 per token +0.23% -> +0.01%.
+rotate this way. Measured at length in docs/kv-quantization-at-length.md: it halves int8's error in every
+layer, while for fp8 it helps some layers and hurts others.
 
 R is the normalized Sylvester-Hadamard matrix, applied in blocks of `hadamard_block(head_dim)` channels
 (the largest power of two dividing head_dim: 64 -> 64, 80 -> 16, 96 -> 32). It is symmetric and its own
@@ -21,7 +21,7 @@ the cache's `write` rotates a quantized side's rows before quantizing; `attentio
 q when K is rotated and un-rotates the output when V is; every backend reads the rotated cache in between.
 Dense (16/32-bit) sides are never rotated: they lose nothing to rotate away. "hadamard" rotates every
 quantized side; "auto" (the default) lets a calibration prompt decide per layer and side
-(engine/calibration.py `calibrate_rotation`), and without one rotates the integer sides only
+(engine/rotation_calibration.py `calibrate_rotation`), and without one rotates the integer sides only
 (`rotated_without_calibration`): the rotation lowered int8's error in every layer of both models measured,
 but fp8's (whose step is relative, so spreading a large channel also spreads its error) only in some.
 """
@@ -75,8 +75,7 @@ def rotate(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
     Its own inverse: rotate(rotate(x)) == x up to rounding. The butterfly order (stride 1, 2, 4, ...)
     and the single final scale match `kvf_hadamard_rows` in csrc/kv_rotate.c bit for bit. `out` (contiguous,
-    x's shape and dtype, or x itself to rotate in place) spares an allocation: a 2K-token chunk's queries
-    are megabytes, and a fresh buffer's page faults cost more than the rotation.
+    x's shape and dtype, or x itself to rotate in place) spares an allocation.
     """
     d = x.shape[-1]
     n = hadamard_block(d)

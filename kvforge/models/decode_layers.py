@@ -131,6 +131,7 @@ class _Plan:
         # the per-tensor scales the table copied (a store's static scale can be set again)
         self.bound: list[weakref.ref] = []
         self.static_scales: list[tuple[object, float]] = []
+        self.rotations: list[tuple[bool, bool]] = []  # each layer's (rotate_k, rotate_v) the table was built with
         self.table: ctypes.Array | None = None
         self.structs: list = []  # the decode kernel's operands the table points at (and per-tensor scales)
         self.num_blocks = self.block_size = 0
@@ -233,9 +234,15 @@ def _write_for(store_or_pool, dtype: torch.dtype) -> _Write | None:
 
 
 def _bound(plan: _Plan, caches: list) -> bool:
-    """The table already points into these very caches, with the per-tensor scales they hold now."""
+    """The table already points into these very caches, with the per-tensor scales they hold now and the
+    rotations they store in now (a calibration may change them after a table was built)."""
     return (len(plan.bound) == len(caches) and all(ref() is c for ref, c in zip(plan.bound, caches))
-            and all(float(store.static_scale) == value for store, value in plan.static_scales))
+            and all(float(store.static_scale) == value for store, value in plan.static_scales)
+            and plan.rotations == _rotations(caches))
+
+
+def _rotations(caches: list) -> list[tuple[bool, bool]]:
+    return [(bool(getattr(c, "rotate_k", False)), bool(getattr(c, "rotate_v", False))) for c in caches]
 
 
 def _bind_caches(plan: _Plan, caches: list) -> bool:
@@ -281,7 +288,7 @@ def _bind_caches(plan: _Plan, caches: list) -> bool:
         rows.append(_Layer(ln1.data_ptr(), ln2.data_ptr(), wqkv, wo, wgu, wdown, ctypes.addressof(kv[0]),
                            ctypes.addressof(kv[1]), k_write, v_write, window))
     plan.table = (_Layer * len(rows))(*rows)
-    plan.structs, plan.static_scales = structs, statics
+    plan.structs, plan.static_scales, plan.rotations = structs, statics, _rotations(caches)
     plan.bound = [weakref.ref(c) for c in caches]
     plan.num_blocks, plan.block_size = parts[0][0].num_blocks, parts[0][0].block_size
     return True

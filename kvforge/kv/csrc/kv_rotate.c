@@ -10,7 +10,7 @@
  * src -> dst (the same pointer: in place): nvec vectors of D channels, contiguous, fp32 (code 0) or bf16
  * (code 1); each run of n channels (n a power of two dividing D, at most KVF_HADAMARD_MAX) is multiplied by
  * the normalized Sylvester-Hadamard matrix of size n. Returns 0, or -1 for an unsupported dtype or block
- * size (nothing written).
+ * size (nothing written), or when scratch could not be allocated.
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,9 +61,11 @@ int kvf_hadamard_rows(const void *src, void *dst, int64_t nvec, int64_t D, int n
     if ((code != 0 && code != 1) || n < 2 || n > KVF_HADAMARD_MAX || (n & (n - 1)) || D % n) return -1;
     const float s = (float)(1.0 / sqrt((double)n));
     const int64_t blocks = nvec * (D / n), groups = (blocks + LANES - 1) / LANES;
-#pragma omp parallel if (blocks * n >= ROTATE_PARALLEL_MIN)
+    int failed = 0;
+#pragma omp parallel if (blocks * n >= ROTATE_PARALLEL_MIN) reduction(|| : failed)
     {
         float *y = malloc(sizeof(float) * (size_t)n * LANES);
+        failed = y == NULL;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t b0 = g * LANES, nb = blocks - b0 < LANES ? blocks - b0 : LANES;
@@ -71,5 +73,5 @@ int kvf_hadamard_rows(const void *src, void *dst, int64_t nvec, int64_t D, int n
         }
         free(y);
     }
-    return 0;
+    return failed ? -1 : 0; /* -1: a thread had no scratch, dst is partly written (the caller falls back) */
 }

@@ -60,7 +60,7 @@ class QuantizedKVCache:
         self.compute_dtype = compute_dtype
         # a quantized side is stored Hadamard-rotated (kv/rotation.py): attention rotates q when K is, and
         # un-rotates its output when V is; a 16/32-bit side loses nothing to rotate away. Under "auto" the
-        # engine's calibration may set these per layer (engine/calibration.py `calibrate_rotation`).
+        # engine's calibration may set these per layer (engine/rotation_calibration.py).
         self.rotation = rotation
         self.rotatable = (is_quantized(k_dtype) and hadamard_block(head_dim) > 1,
                           is_quantized(v_dtype) and hadamard_block(v_head_dim) > 1)
