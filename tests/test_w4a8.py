@@ -24,7 +24,9 @@ pytestmark = pytest.mark.skipif(quant_linear.LIBRARY.load() is None, reason=f"{q
 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 13, 32, 130)
 # every K mod 8, short last groups (of the weights and of the activations), N not a panel multiple
-SHAPES = [(37, 130, 32), (16, 64, 64), (53, 257, 128), (1, 33, 32), (20, 6, 32), (48, 1027, 64), (19, 300, 128)]
+# 22 and 17 panels: whole one-row tiles of 8 with a thread's next tile prefetched
+SHAPES = [(37, 130, 32), (16, 64, 64), (53, 257, 128), (1, 33, 32), (20, 6, 32), (48, 1027, 64), (19, 300, 128),
+          (339, 96, 32), (272, 136, 64)]
 
 
 def _exact(qw: quant_linear.QuantWeight, rows: int, dtype: torch.dtype, seed: int, bias: bool = False) -> None:

@@ -24,7 +24,8 @@ from kvforge.models.quant_linear import (pack_codes, quant_linear as qlinear, qu
 pytestmark = pytest.mark.skipif(quant_linear.LIBRARY.load() is None, reason=f"{quant_linear.LIBRARY.error}")
 
 ROWS = (1, 2, 3, 4, 5, 8, 9, 13, 32, 130)
-SHAPES = [(37, 130), (16, 64), (53, 257), (1, 33), (20, 6), (48, 1027)]  # every K mod 4, N not a panel multiple
+# every K mod 4, N not a panel multiple; 13 and 22 panels fill one-row tiles of 6 (and a thread's next tile)
+SHAPES = [(37, 130), (16, 64), (53, 257), (1, 33), (20, 6), (48, 1027), (200, 72), (339, 41)]
 
 
 def exact_against(reference, qw: quant_linear.QuantWeight, rows: int, dtype: torch.dtype, seed: int,  # type: ignore[no-untyped-def]

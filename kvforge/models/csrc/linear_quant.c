@@ -628,7 +628,22 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
  * 1B model's four linears, 32 / 256 rows, 2 threads: 8 x 3 with the totals in L1 took 4.34 / 26.9 ms a layer, 6 x 3
  * 3.88 / 24.9, 4 x 4 3.67 / 24.5, 4 x 3 in L1 3.58 / 23.8, 4 x 3 in registers 3.42 / 21.6. */
 #define A8M 4
+#ifndef W4NEXT /* the locality hint of the next-tile prefetches (1: prefetcht2, into L2) */
+#define W4NEXT 1
+#endif
 #define A8P 3
+/* One row runs A8P1 panels a tile (A8P1 code streams a thread), and up to A8NEXT_ROWS rows prefetch the thread's
+ * next tile into L2 while they run (as w4a8's tiles, below). A step's linears of the 1B model, both threads, the
+ * builds' steps interleaved in one process (lower quartile of 12 a round): one row with 6 panels 1.03-1.08x
+ * the 3-panel tile (8 panels 1.01-1.09x, 4 panels 1.02-1.07x); the next-tile prefetch 1.03-1.06x at 4 rows,
+ * 0.97-1.06x at one. */
+#ifndef A8P1
+#define A8P1 6
+#endif
+#define A8PMAX (A8P1 > A8P ? A8P1 : A8P)
+#ifndef A8NEXT_ROWS
+#define A8NEXT_ROWS A8M
+#endif
 typedef int32_t kvf_i32a __attribute__((may_alias, aligned(1))); /* 4 bytes of q read as one */
 
 int kvf_qlinear_a8_vnni(void) { return KVF_A8_VNNI; }
@@ -692,7 +707,7 @@ static void quantize_rows_a8(const void *x, int x_bf16, int64_t r0, int64_t r1, 
 
 /* `mr` rows of q (row stride K4 x 4 bytes) against panels p..p+np-1: out[r][c][16] = sum_g float(d_g) x s_rg. */
 INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const float *s, const int32_t *start,
-                    const qweight *w, int64_t p, int mr, int np, float *out) {
+                    const qweight *w, int64_t p, int mr, int np, int nnext, float *out) {
 #if KVF_A8_VNNI
     /* byte 4c + j of the result is byte 16j + c of the 64 loaded: k = 4k4 + j of column c */
     const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
@@ -700,32 +715,33 @@ INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const flo
                                          55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
                                          51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 tot[A8M][A8P];
+    __m512 tot[A8M][A8PMAX];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int c = 0; c < np; c++) tot[r][c] = _mm512_setzero_ps();
     const int64_t full = K / 4;
-    const uint8_t *base = w->codes + p * w->pstride;
-    __m512i acc[A8M][A8P];
+    const uint8_t *base = w->codes + p * w->pstride, *next = base + np * w->pstride; /* next: nnext panels */
+    __m512i acc[A8M][A8PMAX];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
         const __m512i st = _mm512_set1_epi32(start[r * G]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int c = 0; c < np; c++) acc[r][c] = st;
     }
     for (int64_t k4 = 0; k4 < K4; k4++) {
         /* past K (the last k4 only) a zero byte, 128 after the flip, meets q = 0 */
         const __mmask64 m = k4 < full ? ~(__mmask64)0 : (((__mmask64)1 << ((K - 4 * k4) * 16)) - 1);
-        __m512i wv[A8P];
-#pragma GCC unroll 4
+        __m512i wv[A8PMAX];
+        for (int c = 0; c < nnext; c++) __builtin_prefetch(next + c * w->pstride + k4 * 64, 0, W4NEXT);
+#pragma GCC unroll 8
         for (int c = 0; c < np; c++)
             wv[c] = _mm512_xor_si512(
                 _mm512_permutexvar_epi8(perm, _mm512_maskz_loadu_epi8(m, base + c * w->pstride + k4 * 64)), flip);
 #pragma GCC unroll 8
         for (int r = 0; r < mr; r++) {
             const __m512i xv = _mm512_set1_epi32(((const kvf_i32a *)(q + r * K4 * 4))[k4]);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
             for (int c = 0; c < np; c++) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
         }
         if ((k4 + 1) % (A8_GROUP / 4) == 0 || k4 + 1 == K4) { /* the end of group g: into the fp32 sums */
@@ -734,7 +750,7 @@ INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const flo
             for (int r = 0; r < mr; r++) {
                 const __m512 sv = _mm512_set1_ps(s[r * G + g]);
                 const __m512i st = _mm512_set1_epi32(g + 1 < G ? start[r * G + g + 1] : 0);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
                 for (int c = 0; c < np; c++) {
                     tot[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), sv, tot[r][c]);
                     acc[r][c] = st;
@@ -744,7 +760,7 @@ INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const flo
     }
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int c = 0; c < np; c++) _mm512_storeu_ps(out + (r * np + c) * NR, tot[r][c]);
 #else
     for (int r = 0; r < mr; r++)
@@ -761,17 +777,32 @@ INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const flo
                 out[(r * np + c) * NR + j] = tot;
             }
         }
-    (void)K4;
+    (void)K4, (void)nnext;
 #endif
 }
 
 static void a8_block(const int8_t *q, int64_t K4, int64_t K, int64_t G, const float *s, const int32_t *start,
-                     const qweight *w, int64_t p, int mr, int np, float *out) {
+                     const qweight *w, int64_t p, int mr, int np, int nnext, float *out) {
 #define KVF_ACASE(R, P) \
-    case (R) * 8 + (P): a8_tile(q, K4, K, G, s, start, w, p, R, P, out); break;
+    case (R) * 8 + (P): a8_tile(q, K4, K, G, s, start, w, p, R, P, nnext, out); break;
 #define KVF_AROW(R) KVF_ACASE(R, 1) KVF_ACASE(R, 2) KVF_ACASE(R, 3)
     switch (mr * 8 + np) {
         KVF_AROW(1) KVF_AROW(2) KVF_AROW(3) KVF_AROW(4)
+#if A8P1 >= 4
+        KVF_ACASE(1, 4)
+#endif
+#if A8P1 >= 5
+        KVF_ACASE(1, 5)
+#endif
+#if A8P1 >= 6
+        KVF_ACASE(1, 6)
+#endif
+#if A8P1 >= 7
+        KVF_ACASE(1, 7)
+#endif
+#if A8P1 >= 8
+        KVF_ACASE(1, 8)
+#endif
     default: break;
     }
 #undef KVF_AROW
@@ -818,13 +849,14 @@ int kvf_qlinear_a8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
         quantize_rows_a8(x, x_bf16, M * tid / nth, M * (tid + 1) / nth, K, K4, G, q, s, start);
 #pragma omp barrier
         const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
-        const int rows = M <= A8M ? (int)M : A8M, per = A8P;
-        float tile[A8M * A8P * NR];
+        const int rows = M <= A8M ? (int)M : A8M, per = M == 1 ? A8P1 : A8P;
+        float tile[A8M * A8PMAX * NR];
         for (int64_t p = p0; p < p1; p += per) {
             const int np = (int)(p1 - p < per ? p1 - p : per);
+            const int nnext = M <= A8NEXT_ROWS ? (int)(p1 - p - np < per ? p1 - p - np : per) : 0; /* as w4a8's */
             for (int64_t i = 0; i < M; i += rows) {
                 const int mr = (int)(M - i < rows ? M - i : rows);
-                a8_block(q + i * K4 * 4, K4, K, G, s + i * G, start + i * G, &w, p, mr, np, tile);
+                a8_block(q + i * K4 * 4, K4, K, G, s + i * G, start + i * G, &w, p, mr, np, nnext, tile);
                 for (int r = 0; r < mr; r++)
                     for (int c = 0; c < np; c++)
                         for (int j = 0; j < NR; j++) tile[(r * np + c) * NR + j] *= scales[(p + c) * NR + j];
@@ -880,15 +912,11 @@ static inline float f16_to_f32(uint16_t h) {
  * their own, into L2 (`prefetcht2`, W4NEXT the locality hint; 8 panels x K x 8 bytes, 128-512 KiB on the 1B
  * model, fit there): twice the streams in flight, and the arithmetic on this tile overlaps the next one's reads
  * (bf16's GEMM tiles do the same, KVF_GEMM_PREFETCH). A step's linears of the 1B model, both threads, the two
- * builds alternating in one process: one row 1.01-1.30x (mean 1.18x over 6 rounds while the host read 43-50
- * GB/s; 1.01-1.08x on a slower spell, 32 GB/s), 4 rows 1.08-1.20x; one stream per 8-panel group (codes
- * interleaved per k8) in place of 8 panel streams was 0.77x, hint 3 (into L1) 0.87x, the same prefetch in
- * w8a8_int8's one-row tiles 0.99-1.03x (not kept). */
+ * builds' steps interleaved in one process (lower quartile of 12 a round): one row 1.09-1.12x, 4 rows
+ * 1.10-1.13x; one stream per 8-panel group (codes interleaved per k8) in place of 8 panel streams was 0.77x,
+ * hint 3 (into L1) 0.87x. */
 #ifndef W4PF
 #define W4PF 8
-#endif
-#ifndef W4NEXT
-#define W4NEXT 1
 #endif
 #ifndef W4NEXT_ROWS
 #define W4NEXT_ROWS W4M
