@@ -55,7 +55,7 @@ def check(qw: quant_linear.QuantWeight, rows: int, dtype: torch.dtype, seed: int
 
 
 @pytest.mark.parametrize("name,bits,group", FORMATS, ids=[f"{n}-g{g}" for n, _, g in FORMATS])
-@pytest.mark.parametrize("n,k", [(37, 130), (16, 64), (53, 255), (1, 33)])
+@pytest.mark.parametrize("n,k", [(37, 130), (16, 64), (53, 255), (1, 33), (300, 70)])  # 19 panels: tiles with a next one
 def test_quantized_kernel_matches_dequantize_then_matmul(name, bits, group, n, k):
     w = torch.randn(n, k) * 0.2
     qw = quantize(w, name, group)
