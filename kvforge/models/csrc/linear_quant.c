@@ -123,12 +123,23 @@ INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
 #define GP 1
 #endif
 
-/* int8 decode rows (up to QNEXT_ROWS) prefetch the thread's next tile into L2 while they run, as the w8a8 and
- * w4a8 tiles below do: a step's linears of the 1B model, both threads, the builds' steps interleaved in one
- * process: 1.06-1.07x at one row, 1.10-1.14x at 4. Weight-only int4 measured 0.98-1.09x and does not. */
+/* Next-tile prefetch: decode tiles of a few rows ask for the thread's next tile, line for line as they read their
+ * own, into L2 (KVF_NEXT_HINT: the locality hint, 1 = prefetcht2), so the arithmetic on one tile overlaps the
+ * next one's memory reads (bf16's GEMM tiles do the same, KVF_GEMM_PREFETCH). Figures beside each user.
+ * int8 decode rows (up to QNEXT_ROWS), a step's linears of the 1B model, both threads, the builds' steps
+ * interleaved in one process: 1.06-1.07x at one row, 1.10-1.14x at 4. Weight-only int4 measured 0.98-1.09x and
+ * does not. */
+#ifndef KVF_NEXT_HINT
+#define KVF_NEXT_HINT 1
+#endif
 #ifndef QNEXT_ROWS
 #define QNEXT_ROWS 4
 #endif
+
+/* Panels of the thread's next tile (its range ends at p1, tiles of `per`) after the tile of np panels at p. */
+INLINE int next_tile_panels(int64_t p, int np, int64_t p1, int per) {
+    return (int)(p1 - p - np < per ? p1 - p - np : per);
+}
 #define DR 4 /* decode tile: up to 4 rows x up to 4 panels (2 panels from 3 rows) */
 #define DP 4
 #ifndef DECODE_ROWS
@@ -257,11 +268,10 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
         const int64_t k1 = k0 + G < K ? k0 + G : K;
         zero_tile(acc), zero_tile(odd);
         prefetch_group(w, p, np, g + 2, ngroups);
-
         if (bits == 8) {
             for (int64_t k = k0; k < k1; k++) {
                 if ((k & 3) == 0) /* the next tile's line of these 4 k, a panel at a time */
-                    for (int q = 0; q < nnext; q++) __builtin_prefetch(next + q * w->pstride + k * NR, 0, 1);
+                    for (int q = 0; q < nnext; q++) __builtin_prefetch(next + q * w->pstride + k * NR, 0, KVF_NEXT_HINT);
 #pragma GCC unroll 4
                 for (int q = 0; q < np; q++) {
                     const v16 wv = v_from_i8((const int8_t *)base + q * w->pstride + k * NR);
@@ -552,7 +562,7 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
             const int rows = (int)(M < DR ? M : DR), dp = rows <= 2 ? DP : 2;
             for (int64_t p = p0; p < p1; p += dp) {
                 const int np = (int)(p1 - p < dp ? p1 - p : dp);
-                const int nnext = bits == 8 && M <= QNEXT_ROWS ? (int)(p1 - p - np < dp ? p1 - p - np : dp) : 0;
+                const int nnext = bits == 8 && M <= QNEXT_ROWS ? next_tile_panels(p, np, p1, dp) : 0;
                 for (int64_t i = 0; i < M; i += rows) {
                     const int mr = (int)(M - i < rows ? M - i : rows);
                     decode_block(xf + i * Kp, xb ? xb + i * Kp : NULL, Kp, &w, p, mr, np, xsum ? xsum + i * ngroups : NULL,
@@ -638,9 +648,6 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
  * 1B model's four linears, 32 / 256 rows, 2 threads: 8 x 3 with the totals in L1 took 4.34 / 26.9 ms a layer, 6 x 3
  * 3.88 / 24.9, 4 x 4 3.67 / 24.5, 4 x 3 in L1 3.58 / 23.8, 4 x 3 in registers 3.42 / 21.6. */
 #define A8M 4
-#ifndef W4NEXT /* the locality hint of the next-tile prefetches (1: prefetcht2, into L2) */
-#define W4NEXT 1
-#endif
 #define A8P 3
 /* One row runs A8P1 panels a tile (A8P1 code streams a thread), and up to A8NEXT_ROWS rows prefetch the thread's
  * next tile into L2 while they run (as w4a8's tiles, below). A step's linears of the 1B model, both threads, the
@@ -650,7 +657,10 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
 #ifndef A8P1
 #define A8P1 6
 #endif
-#define A8PMAX (A8P1 > A8P ? A8P1 : A8P)
+#define A8PMAX 8 /* the widest tile a8_block has a case for */
+#if A8P1 > A8PMAX || A8P1 < 1
+#error "A8P1 must be 1-8"
+#endif
 #ifndef A8NEXT_ROWS
 #define A8NEXT_ROWS A8M
 #endif
@@ -743,7 +753,7 @@ INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const flo
         /* past K (the last k4 only) a zero byte, 128 after the flip, meets q = 0 */
         const __mmask64 m = k4 < full ? ~(__mmask64)0 : (((__mmask64)1 << ((K - 4 * k4) * 16)) - 1);
         __m512i wv[A8PMAX];
-        for (int c = 0; c < nnext; c++) __builtin_prefetch(next + c * w->pstride + k4 * 64, 0, W4NEXT);
+        for (int c = 0; c < nnext; c++) __builtin_prefetch(next + c * w->pstride + k4 * 64, 0, KVF_NEXT_HINT);
 #pragma GCC unroll 8
         for (int c = 0; c < np; c++)
             wv[c] = _mm512_xor_si512(
@@ -798,21 +808,7 @@ static void a8_block(const int8_t *q, int64_t K4, int64_t K, int64_t G, const fl
 #define KVF_AROW(R) KVF_ACASE(R, 1) KVF_ACASE(R, 2) KVF_ACASE(R, 3)
     switch (mr * 8 + np) {
         KVF_AROW(1) KVF_AROW(2) KVF_AROW(3) KVF_AROW(4)
-#if A8P1 >= 4
-        KVF_ACASE(1, 4)
-#endif
-#if A8P1 >= 5
-        KVF_ACASE(1, 5)
-#endif
-#if A8P1 >= 6
-        KVF_ACASE(1, 6)
-#endif
-#if A8P1 >= 7
-        KVF_ACASE(1, 7)
-#endif
-#if A8P1 >= 8
-        KVF_ACASE(1, 8)
-#endif
+        KVF_ACASE(1, 4) KVF_ACASE(1, 5) KVF_ACASE(1, 6) KVF_ACASE(1, 7) KVF_ACASE(1, 8)
     default: break;
     }
 #undef KVF_AROW
@@ -863,7 +859,7 @@ int kvf_qlinear_a8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
         float tile[A8M * A8PMAX * NR];
         for (int64_t p = p0; p < p1; p += per) {
             const int np = (int)(p1 - p < per ? p1 - p : per);
-            const int nnext = M <= A8NEXT_ROWS ? (int)(p1 - p - np < per ? p1 - p - np : per) : 0; /* as w4a8's */
+            const int nnext = M <= A8NEXT_ROWS ? next_tile_panels(p, np, p1, per) : 0;
             for (int64_t i = 0; i < M; i += rows) {
                 const int mr = (int)(M - i < rows ? M - i : rows);
                 a8_block(q + i * K4 * 4, K4, K, G, s + i * G, start + i * G, &w, p, mr, np, nnext, tile);
@@ -918,11 +914,10 @@ static inline float f16_to_f32(uint16_t h) {
 /* Tiles: 1 row x 8 panels (one stream: 8 streams of codes per thread read 4-8% faster than 4, A/B in one process
  * on the 1B model's linears, 2 threads), 2 rows x 4 panels, or up to 4 rows x 2 panels. W4PF: the codes W4PF x 64
  * bytes ahead are prefetched in each panel (4 rows: 1.11x; one row: no change).
- * Up to W4NEXT_ROWS rows (one row block a tile) also prefetch the thread's next tile, line for line as they read
- * their own, into L2 (`prefetcht2`, W4NEXT the locality hint; 8 panels x K x 8 bytes, 128-512 KiB on the 1B
- * model, fit there): twice the streams in flight, and the arithmetic on this tile overlaps the next one's reads
- * (bf16's GEMM tiles do the same, KVF_GEMM_PREFETCH). A step's linears of the 1B model, both threads, the two
- * builds' steps interleaved in one process (lower quartile of 12 a round): one row 1.09-1.12x, 4 rows
+ * Up to W4NEXT_ROWS rows (one row block a tile) also prefetch the thread's next tile (see KVF_NEXT_HINT; 8 panels
+ * x K x 8 bytes, 128-512 KiB on the 1B model, fit in L2): twice the streams in flight. A step's linears of the
+ * 1B model, both threads, the two builds' steps interleaved in one process (lower quartile of 12 a round): one
+ * row 1.09-1.12x, 4 rows
  * 1.10-1.13x; one stream per 8-panel group (codes interleaved per k8) in place of 8 panel streams was 0.77x,
  * hint 3 (into L1) 0.87x. */
 #ifndef W4PF
@@ -975,7 +970,7 @@ INLINE void w4_tile(const int8_t *q, int64_t K8, int64_t G, const float *s, cons
 #pragma GCC unroll 8
                 for (int c = 0; c < np; c++) __builtin_prefetch(base + c * w->pstride + (k8 + W4PF) * 64);
 #endif
-                for (int c = 0; c < nnext; c++) __builtin_prefetch(next + c * w->pstride + k8 * 64, 0, W4NEXT);
+                for (int c = 0; c < nnext; c++) __builtin_prefetch(next + c * w->pstride + k8 * 64, 0, KVF_NEXT_HINT);
 #pragma GCC unroll 8
                 for (int c = 0; c < np; c++) {
                     const __m512i v = _mm512_loadu_si512((const void *)(base + c * w->pstride + k8 * 64));
@@ -1088,8 +1083,7 @@ int kvf_qlinear_a8w4(const void *x, int x_bf16, int64_t M, int64_t K, const uint
         float tile[W4M * W4P * NR];
         for (int64_t p = p0; p < p1; p += per) {
             const int np = (int)(p1 - p < per ? p1 - p : per);
-            /* one row: the panels of this thread's next tile, prefetched while this one runs */
-            const int nnext = M <= W4NEXT_ROWS ? (int)(p1 - p - np < per ? p1 - p - np : per) : 0;
+            const int nnext = M <= W4NEXT_ROWS ? next_tile_panels(p, np, p1, per) : 0;
             for (int64_t i = 0; i < M; i += rows) {
                 const int mr = (int)(M - i < rows ? M - i : rows);
                 w4_block(q + i * K8 * 8, K8, G, s + i * G, xs + i * GW, GW, &w, p, mr, np, nnext, tile);
