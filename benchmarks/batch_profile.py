@@ -10,7 +10,7 @@ instead and sorts each sample of the step loop into one bucket:
 
 It needs py-spy (`pip install py-spy`; it is not a kvforge dependency) and says so when it is absent.
 
-    python benchmarks/batch_profile.py --dtype bfloat16 --workload batch [--kv model] [--rate 50]
+    python benchmarks/batch_profile.py --dtype bfloat16 --workload batch [--kv model] [--rate 50] [--model-size 1b]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import json, sys
 sys.path.insert(0, {here!r})
 import peers
 work = peers.requests({workload!r}, 0, {scale!r})
-print(json.dumps(peers.run_kvforge({dtype!r}, {kv!r}, work, warm=True)))
+print(json.dumps(peers.run_kvforge({dtype!r}, {kv!r}, work, warm=True, model={model!r})))
 """
 
 
@@ -78,16 +78,25 @@ def main() -> None:
     ap.add_argument("--kv", default="model", choices=["model", "8bit", "fp8"])
     ap.add_argument("--workload", default="batch", choices=["single", "batch", "shared", "long"])
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--model-size", default=None, choices=["1b", "3b"],
+                    help="profile the random-weight Llama of that size (benchmarks/random_llama.py), not SmolLM2")
     ap.add_argument("--rate", type=int, default=50, help="samples per second")
     ap.add_argument("--save-raw", default=None, help="keep py-spy's raw stacks here (one line a stack and its count)")
     args = ap.parse_args()
     pyspy = shutil.which("py-spy")
     if pyspy is None:
         sys.exit("batch_profile: py-spy is not installed (pip install py-spy); nothing measured")
+    model = None
+    if args.model_size:
+        sys.path.insert(0, HERE)
+        from random_llama import ensure_model
+
+        model = ensure_model(args.model_size, log=lambda s: print(s, file=sys.stderr))
     with tempfile.TemporaryDirectory() as tmp:
         script, raw = os.path.join(tmp, "child.py"), os.path.join(tmp, "stacks.txt")
         with open(script, "w") as f:
-            f.write(CHILD.format(here=HERE, workload=args.workload, scale=args.scale, dtype=args.dtype, kv=args.kv))
+            f.write(CHILD.format(here=HERE, workload=args.workload, scale=args.scale, dtype=args.dtype, kv=args.kv,
+                                model=model))
         run = subprocess.run([pyspy, "record", "--native", "--rate", str(args.rate), "--format", "raw",
                               "--output", raw, "--", sys.executable, script], capture_output=True, text=True)
         if run.returncode != 0 or not os.path.exists(raw):
@@ -101,7 +110,8 @@ def main() -> None:
     if not total:
         sys.exit("batch_profile: no samples inside LLMEngine.step")
     wall = json.loads(result[-1])["wall_s"] if result else float("nan")
-    print(f"{args.workload} {args.dtype} kv={args.kv}: {wall:.2f} s of steps, {total} samples at {args.rate}/s")
+    name = f"{args.model_size} " if args.model_size else ""
+    print(f"{name}{args.workload} {args.dtype} kv={args.kv}: {wall:.2f} s of steps, {total} samples at {args.rate}/s")
     for name, n in counts.most_common():
         print(f"  {name:<52} {n / total * 100:5.1f}%  ~{n / total * wall:6.2f} s")
 

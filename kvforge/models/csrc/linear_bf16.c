@@ -138,6 +138,16 @@ static inline __attribute__((always_inline)) void prefetch_share(const char *pf,
 #endif
 }
 
+/* How many of a tile's k-pairs carry its prefetch share, `per_k` lines each: the first ones only. Why: a
+ * prefill's row tiles are many, so each tile's share is a few lines, yet testing every k-pair for one cost
+ * the tiles 5-7% at 128-1,024 rows (the share's bounds took registers the row pointers needed). The tiles
+ * run those k-pairs with the prefetch and the rest bare, so batch decode keeps its overlap (16-32 rows) and
+ * prefill loses the bookkeeping. */
+static inline int64_t prefetch_steps(int64_t npf, int64_t K2, int64_t *per_k) {
+    *per_k = (npf + K2 - 1) / K2;
+    return KVF_GEMM_PREFETCH && *per_k ? (npf + *per_k - 1) / *per_k : 0;
+}
+
 /* A tile's accumulators (+ bias) rounded to bf16 and stored, 16 columns at a time (the first N - n0). */
 static inline __attribute__((always_inline)) void store_tile(__m512 acc[GM][GP], int mr, int np, uint16_t *y,
                                                              int64_t N, int64_t n0, const uint16_t *bias) {
@@ -158,25 +168,34 @@ static inline __attribute__((always_inline)) void store_tile(__m512 acc[GM][GP],
     }
 }
 
+/* One k-pair of a vdpbf16ps tile: np weight lines, each against mr broadcast x pairs. */
+static inline __attribute__((always_inline)) void dot_step(__m512 acc[GM][GP], const uint32_t *x, int64_t ldx,
+                                                           const uint16_t *w, int64_t pstride, int mr, int np,
+                                                           int64_t kp) {
+    __m512bh wv[GP];
+#pragma GCC unroll 3
+    for (int p = 0; p < np; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + kp * 2 * NR);
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + kp]);
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, wv[p]);
+    }
+}
+
 static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, int64_t ldx, int64_t K2,
                                                             const uint16_t *w, int64_t pstride, int mr, int np,
                                                             uint16_t *y, int64_t N, int64_t n0,
                                                             const uint16_t *bias, const char *pf, int64_t npf) {
     __m512 acc[GM][GP];
     zero_tile(acc);
-    const int64_t per_k = (npf + K2 - 1) / K2; /* prefetched lines of the next panel group per k-pair */
-    for (int64_t kp = 0; kp < K2; kp++) {
+    int64_t per_k; /* prefetched lines of the next panel group per k-pair, over the first `steps` k-pairs */
+    const int64_t steps = prefetch_steps(npf, K2, &per_k);
+    for (int64_t kp = 0; kp < steps; kp++) {
         prefetch_share(pf, npf, per_k, kp);
-        __m512bh wv[GP];
-#pragma GCC unroll 3
-        for (int p = 0; p < np; p++) wv[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + kp * 2 * NR);
-#pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[r * ldx + kp]);
-#pragma GCC unroll 3
-            for (int p = 0; p < np; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, wv[p]);
-        }
+        dot_step(acc, x, ldx, w, pstride, mr, np, kp);
     }
+    for (int64_t kp = steps; kp < K2; kp++) dot_step(acc, x, ldx, w, pstride, mr, np, kp);
     store_tile(acc, mr, np, y, N, n0, bias);
 }
 
@@ -188,6 +207,33 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, i
  * once per call (`xf`, [M][2 x K2] floats), so each weight register serves GM rows and each broadcast
  * GP panels as above: 6 integer ops per 48 FMAs. Every product is exact in fp32 (8-bit mantissas), as in
  * vdpbf16ps; only the order of the fp32 additions differs (even k then odd k, per accumulator). */
+/* One k-pair of an FMA tile: np weight lines split into even and odd k, each against mr broadcast x values. */
+static inline __attribute__((always_inline)) void fma_step(__m512 acc[GM][GP], const float *xf, int64_t ldx,
+                                                           const uint16_t *w, int64_t pstride, int mr, int np,
+                                                           int64_t kp, __m512i hi_mask) {
+    __m512i line[GP];
+    __m512 wv[GP];
+#pragma GCC unroll 3
+    for (int p = 0; p < np; p++) {
+        line[p] = _mm512_loadu_si512(w + p * pstride + kp * 2 * NR);
+        wv[p] = _mm512_castsi512_ps(_mm512_slli_epi32(line[p], 16)); /* even k */
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        const __m512 a = _mm512_set1_ps(xf[r * ldx + 2 * kp]);
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);
+    }
+#pragma GCC unroll 3
+    for (int p = 0; p < np; p++) wv[p] = _mm512_castsi512_ps(_mm512_and_si512(line[p], hi_mask)); /* odd k */
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        const __m512 a = _mm512_set1_ps(xf[r * ldx + 2 * kp + 1]);
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);
+    }
+}
+
 static inline __attribute__((always_inline)) void gemm_tile_fma(const float *xf, int64_t ldx, int64_t K2,
                                                                 const uint16_t *w, int64_t pstride, int mr, int np,
                                                                 uint16_t *y, int64_t N, int64_t n0,
@@ -195,31 +241,13 @@ static inline __attribute__((always_inline)) void gemm_tile_fma(const float *xf,
     __m512 acc[GM][GP];
     zero_tile(acc);
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
-    const int64_t per_k = (npf + K2 - 1) / K2; /* prefetched lines of the next panel group per k-pair */
-    for (int64_t kp = 0; kp < K2; kp++) {
+    int64_t per_k; /* as in gemm_tile */
+    const int64_t steps = prefetch_steps(npf, K2, &per_k);
+    for (int64_t kp = 0; kp < steps; kp++) {
         prefetch_share(pf, npf, per_k, kp);
-        __m512i line[GP];
-        __m512 wv[GP];
-#pragma GCC unroll 3
-        for (int p = 0; p < np; p++) {
-            line[p] = _mm512_loadu_si512(w + p * pstride + kp * 2 * NR);
-            wv[p] = _mm512_castsi512_ps(_mm512_slli_epi32(line[p], 16)); /* even k */
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-            const __m512 a = _mm512_set1_ps(xf[r * ldx + 2 * kp]);
-#pragma GCC unroll 3
-            for (int p = 0; p < np; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);
-        }
-#pragma GCC unroll 3
-        for (int p = 0; p < np; p++) wv[p] = _mm512_castsi512_ps(_mm512_and_si512(line[p], hi_mask)); /* odd k */
-#pragma GCC unroll 8
-        for (int r = 0; r < mr; r++) {
-            const __m512 a = _mm512_set1_ps(xf[r * ldx + 2 * kp + 1]);
-#pragma GCC unroll 3
-            for (int p = 0; p < np; p++) acc[r][p] = _mm512_fmadd_ps(a, wv[p], acc[r][p]);
-        }
+        fma_step(acc, xf, ldx, w, pstride, mr, np, kp, hi_mask);
     }
+    for (int64_t kp = steps; kp < K2; kp++) fma_step(acc, xf, ldx, w, pstride, mr, np, kp, hi_mask);
     store_tile(acc, mr, np, y, N, n0, bias);
 }
 

@@ -1,0 +1,108 @@
+"""The bf16 panel linear kernel against another version of its source, in one process, calls alternating.
+
+Why: on this shared VM, compute and bandwidth swing by up to 1.6x from one minute (or process) to the next,
+so only two builds timed call by call under the same load can be compared. Builds `--old-source` (e.g.
+`git show REV:kvforge/models/csrc/linear_bf16.c > /tmp/old.c`) beside this tree's `linear_bf16.c`, with
+the same flags, and times both:
+
+- prefill: the 1B preset's four linear shapes (qkv 3,072 x 2,048, o 2,048 x 2,048, fused gate/up
+  16,384 x 2,048, down 2,048 x 8,192) at `--prefill-rows` rows (a 1,024-token chunk by default), best of
+  `--repeats`, as GFLOP/s;
+- a step: every linear of `--layers` layers of those shapes (2.1 GB of distinct bf16 weights for 16, so
+  they stream from DRAM as in a decode step) at each of `--rows`, per round old then new, printing the
+  median time, the weights' GB/s and the median of the per-round ratios old/new with its range.
+
+Outputs are checked equal (the kernel's results do not depend on its prefetches). The GEMM tile is this
+CPU's choice unless `--mode dot|fma` forces one in both builds.
+
+    git show HEAD~1:kvforge/models/csrc/linear_bf16.c > /tmp/old.c
+    python benchmarks/bf16_gemm_ab.py --old-source /tmp/old.c
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvforge.models import panel_linear as pl
+from kvforge.native import NativeLibrary
+
+SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # the 1B preset's (N, K): qkv, o, gate/up, down
+
+
+def call(lib, x: torch.Tensor, pw: pl.PanelWeight, y: torch.Tensor, threads: int) -> None:  # type: ignore[no-untyped-def]
+    lib.kvf_panel_linear_bf16(x.data_ptr(), x.shape[0], pw.k, pw.packed.data_ptr(), pw.n, None, y.data_ptr(), threads)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old-source", type=Path, required=True, help="the old linear_bf16.c")
+    ap.add_argument("--prefill-rows", type=int, default=1024)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="rows of the step A/B")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--mode", choices=["auto", "dot", "fma"], default="auto")
+    args = ap.parse_args()
+    threads = torch.get_num_threads()
+    libs = {"old": NativeLibrary(args.old_source.resolve(), "KVFORGE_PANEL_LINEAR", "the old bf16 panel kernel",
+                                 pl._declare_bf16), "new": pl.LIBRARY_BF16}
+    for name, library in libs.items():
+        lib = library.load()
+        assert lib is not None, f"{name}: {library.error}"
+        lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[args.mode])
+    loaded = {name: library.load() for name, library in libs.items()}
+    mode = {name: pl.BF16_GEMM_NAMES[lib.kvf_panel_bf16_gemm_mode()] for name, lib in loaded.items()}
+    print(f"{threads} threads; GEMM tile old {mode['old']}, new {mode['new']}")
+    torch.manual_seed(0)
+    layers = [[pl.pack_panels((torch.randn(n, k) * 0.02).bfloat16()) for n, k in SHAPES] for _ in range(args.layers)]
+
+    # prefill shapes: best of the repeats, calls alternating
+    m = args.prefill_rows
+    xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES}}
+    print(f"\nprefill, {m} rows: ms (GFLOP/s), best of {args.repeats}")
+    total = {name: 0.0 for name in loaded}
+    for pw in layers[0]:
+        ys = {name: torch.empty(m, pw.n, dtype=torch.bfloat16) for name in loaded}
+        best = {name: float("inf") for name in loaded}
+        for _ in range(args.repeats):
+            for name, lib in loaded.items():
+                t = time.perf_counter()
+                call(lib, xs[pw.k], pw, ys[name], threads)
+                best[name] = min(best[name], time.perf_counter() - t)
+        assert torch.equal(ys["old"], ys["new"]), f"outputs differ at N={pw.n} K={pw.k}"
+        flop = 2 * m * pw.n * pw.k
+        cells = "  ".join(f"{name} {best[name] * 1e3:7.2f} ({flop / best[name] / 1e9:4.0f})" for name in loaded)
+        print(f"  N={pw.n:>5} K={pw.k:>4}  {cells}  old/new {best['old'] / best['new']:.3f}x")
+        for name in loaded:
+            total[name] += best[name]
+    flop = sum(2 * m * n * k for n, k in SHAPES)
+    print(f"  all four        " + "  ".join(f"{name} {total[name] * 1e3:7.2f} ({flop / total[name] / 1e9:4.0f})"
+                                             for name in loaded) + f"  old/new {total['old'] / total['new']:.3f}x")
+
+    # a step's linears over every layer (weights from DRAM), per round old then new
+    gb = sum(pw.nbytes for layer in layers for pw in layer) / 1e9
+    print(f"\na step's linears, {args.layers} layers ({gb:.2f} GB of weights): median ms (weight GB/s), "
+          f"old/new per round: median [range]")
+    for rows in args.rows:
+        xr = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in SHAPES}}
+        yr = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in SHAPES}
+        times: dict[str, list[float]] = {name: [] for name in loaded}
+        for _ in range(args.repeats + 1):  # the first round warms up and is dropped
+            for name, lib in loaded.items():
+                t = time.perf_counter()
+                for layer in layers:
+                    for pw in layer:
+                        call(lib, xr[pw.k], pw, yr[pw.n], threads)
+                times[name].append(time.perf_counter() - t)
+        ratios = sorted(o / n for o, n in zip(times["old"][1:], times["new"][1:]))
+        cells = "  ".join(f"{name} {statistics.median(times[name][1:]) * 1e3:7.1f} "
+                          f"({gb / statistics.median(times[name][1:]):4.1f})" for name in loaded)
+        print(f"  {rows:>4} rows  {cells}  old/new {statistics.median(ratios):.3f}x "
+              f"[{ratios[0]:.3f}-{ratios[-1]:.3f}]")
+
+
+if __name__ == "__main__":
+    main()
