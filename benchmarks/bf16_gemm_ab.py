@@ -15,12 +15,17 @@ the same flags, and times both:
 Outputs are checked equal (the kernel's results do not depend on its prefetches). The GEMM tile is this
 CPU's choice unless `--mode dot|fma` forces one in both builds.
 
+`--gated` adds this tree's fused gate|up + SiLU-and-multiply call (`panel_linear_silu_mul`) against its two
+calls (`panel_linear`, then `fused.silu_mul`) on `--layers` of the preset's gate|up weights at each of
+`--gated-rows`, per round two calls then fused (the old source is not used there).
+
     git show HEAD~1:kvforge/models/csrc/linear_bf16.c > /tmp/old.c
     python benchmarks/bf16_gemm_ab.py --old-source /tmp/old.c
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +42,17 @@ def call(lib, x: torch.Tensor, pw: pl.PanelWeight, y: torch.Tensor, threads: int
     lib.kvf_panel_linear_bf16(x.data_ptr(), x.shape[0], pw.k, pw.packed.data_ptr(), pw.n, None, y.data_ptr(), threads)
 
 
+def declare_old(lib) -> None:  # type: ignore[no-untyped-def]
+    """Only what this benchmark calls: an older source need not have the newer entry points."""
+    P, I, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.kvf_panel_linear_bf16.restype = None
+    lib.kvf_panel_linear_bf16.argtypes = [P, I, I, P, I, P, P, C]
+    lib.kvf_panel_bf16_gemm_mode.restype = C
+    lib.kvf_panel_bf16_gemm_mode.argtypes = []
+    lib.kvf_panel_bf16_set_gemm_mode.restype = C
+    lib.kvf_panel_bf16_set_gemm_mode.argtypes = [C]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old-source", type=Path, required=True, help="the old linear_bf16.c")
@@ -45,10 +61,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--mode", choices=["auto", "dot", "fma"], default="auto")
+    ap.add_argument("--gated", action="store_true", help="also time the fused gate|up + SiLU call against two calls")
+    ap.add_argument("--gated-rows", type=int, nargs="+", default=[1, 16, 128, 1024])
     args = ap.parse_args()
     threads = torch.get_num_threads()
     libs = {"old": NativeLibrary(args.old_source.resolve(), "KVFORGE_PANEL_LINEAR", "the old bf16 panel kernel",
-                                 pl._declare_bf16), "new": pl.LIBRARY_BF16}
+                                 declare_old), "new": pl.LIBRARY_BF16}
     for name, library in libs.items():
         lib = library.load()
         assert lib is not None, f"{name}: {library.error}"
@@ -101,6 +119,35 @@ def main() -> None:
         cells = "  ".join(f"{name} {statistics.median(times[name][1:]) * 1e3:7.1f} "
                           f"({gb / statistics.median(times[name][1:]):4.1f})" for name in loaded)
         print(f"  {rows:>4} rows  {cells}  old/new {statistics.median(ratios):.3f}x "
+              f"[{ratios[0]:.3f}-{ratios[-1]:.3f}]")
+
+    if args.gated:
+        gated_ab(layers, args.gated_rows, args.repeats)
+
+
+def gated_ab(layers: list[list[pl.PanelWeight]], rows_list: list[int], repeats: int) -> None:
+    """This tree's fused gate|up + SiLU call against its two calls, per round the two calls then fused."""
+    from kvforge.models import fused
+
+    gate_up = [layer[2] for layer in layers]
+    print(f"\ngate|up + SiLU over {len(gate_up)} layers: median ms, two calls / fused per round: median [range]")
+    for rows in rows_list:
+        x = torch.randn(rows, gate_up[0].k).bfloat16()
+        assert torch.equal(pl.panel_linear_silu_mul(x, gate_up[0]), fused.silu_mul(pl.panel_linear(x, gate_up[0])))
+        two: list[float] = []
+        one: list[float] = []
+        for _ in range(repeats + 1):  # the first round warms up and is dropped
+            t = time.perf_counter()
+            for w in gate_up:
+                fused.silu_mul(pl.panel_linear(x, w))
+            two.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for w in gate_up:
+                pl.panel_linear_silu_mul(x, w)
+            one.append(time.perf_counter() - t)
+        ratios = sorted(a / b for a, b in zip(two[1:], one[1:]))
+        print(f"  {rows:>4} rows  two calls {statistics.median(two[1:]) * 1e3:8.1f}  fused "
+              f"{statistics.median(one[1:]) * 1e3:8.1f}  {statistics.median(ratios):.3f}x "
               f"[{ratios[0]:.3f}-{ratios[-1]:.3f}]")
 
 

@@ -398,7 +398,7 @@ def test_gated_gemm_is_bitwise_the_matmul_then_silu_mul():
     """`panel_linear_silu_mul` (gate|up matmul and SiLU-and-multiply in one call) gives the bits of
     `panel_linear` then `fused.silu_mul` (each held to its own reference by other tests), at decode and prefill
     row counts, odd K and several widths; where it
-    cannot fuse (I not whole panels, bf16) it says so with None."""
+    cannot fuse (I not whole panels, a dtype it does not take) it says so with None."""
     from kvforge.models import fused
 
     torch.manual_seed(5)
@@ -410,7 +410,36 @@ def test_gated_gemm_is_bitwise_the_matmul_then_silu_mul():
         ref = fused.silu_mul(pl.panel_linear(x, w))
         assert torch.equal(h, ref), (m, k, inter, (h - ref).abs().max().item())
     assert pl.panel_linear_silu_mul(torch.randn(3, 8), pl.pack_panels(torch.randn(2 * 24, 8))) is None  # I = 24
-    assert pl.panel_linear_silu_mul(torch.randn(3, 8).bfloat16(), pl.pack_panels(torch.randn(64, 8).bfloat16())) is None
+    assert pl.panel_linear_silu_mul(torch.randn(3, 8).half(), pl.pack_panels(torch.randn(64, 8).bfloat16())) is None
+
+
+@pytest.mark.skipif(not pl.simd(torch.bfloat16), reason="the AVX512-BF16 GEMM tiles")
+@pytest.mark.parametrize("mode", ["dot", "fma"])
+def test_bf16_gated_gemm_is_bitwise_the_matmul_then_silu_mul(mode: str):
+    """The bf16 gate|up matmul and SiLU-and-multiply in one call (`kvf_panel_linear_bf16_silu_mul`, which never
+    writes the 2I-wide product out) gives the bits of `panel_linear` then `fused.silu_mul`, on both vector
+    tiles, at decode and prefill row counts (whole and partial 8-row tiles, 1-3 panels a thread's last group)
+    and several widths; where it cannot fuse (odd K, I not whole panels) it says so with None."""
+    from kvforge.models import fused
+
+    lib = pl.LIBRARY_BF16.load()
+    before = lib.kvf_panel_bf16_gemm_mode()
+    if lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[mode]) != pl.BF16_GEMM_MODES[mode]:
+        pytest.skip(f"the {mode} tile cannot be forced here")
+    try:
+        torch.manual_seed(6)
+        for m, k, inter in ((1, 576, 1536), (4, 64, 48), (9, 64, 48), (17, 576, 80), (33, 130, 1536),
+                            (300, 576, 1536), (1030, 64, 32)):
+            x, w = torch.randn(m, k).bfloat16(), pl.pack_panels(torch.randn(2 * inter, k).bfloat16())
+            h = pl.panel_linear_silu_mul(x, w)
+            assert h is not None and h.shape == (m, inter) and h.dtype == torch.bfloat16
+            ref = fused.silu_mul(pl.panel_linear(x, w))
+            assert torch.equal(h, ref), (m, k, inter, (h.float() - ref.float()).abs().max().item())
+        bf = torch.bfloat16
+        assert pl.panel_linear_silu_mul(torch.randn(3, 8, dtype=bf), pl.pack_panels(torch.randn(48, 8, dtype=bf))) is None
+        assert pl.panel_linear_silu_mul(torch.randn(3, 9, dtype=bf), pl.pack_panels(torch.randn(64, 9, dtype=bf))) is None
+    finally:
+        lib.kvf_panel_bf16_set_gemm_mode(before)
 
 
 

@@ -104,7 +104,7 @@ class GatedMLP(nn.Module):
         self.fused_silu = act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_silu:  # fp32 panel weights: the matmul and SiLU-and-multiply in one call, h written once
+        if self.fused_silu:  # fp32 / bf16 panel weights: the matmul and SiLU-and-multiply in one call, h written once
             h = self.gate_up_proj.silu_mul(x)
             if h is not None:
                 return self.down_proj(h)

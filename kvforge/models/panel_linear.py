@@ -72,6 +72,8 @@ def _declare_bf16(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_bf16_amx.argtypes = []
     lib.kvf_panel_bf16_fma_faster.restype = _C
     lib.kvf_panel_bf16_fma_faster.argtypes = []
+    lib.kvf_panel_linear_bf16_silu_mul.restype = _C
+    lib.kvf_panel_linear_bf16_silu_mul.argtypes = [_P, _I, _I, _P, _I, _P, _C]
     choice = str(envs.KVFORGE_BF16_GEMM)  # the registry checks it against BF16_GEMM_MODES
     if choice == "amx" and not lib.kvf_panel_bf16_amx():
         raise ValueError("KVFORGE_BF16_GEMM=amx, but AMX tiles cannot run here (the CPU or compiler lacks AMX-BF16, "
@@ -203,21 +205,24 @@ def panel_linear(x: torch.Tensor, pw: PanelWeight, bias: torch.Tensor | None = N
 
 
 def panel_linear_silu_mul(x: torch.Tensor, pw: PanelWeight, num_threads: int | None = None) -> torch.Tensor | None:
-    """silu(gate) * up of `x @ W^T` for a packed gate|up fp32 weight W [2I, K] (gate rows first), in one
-    call that never writes the gate|up product out (`kvf_panel_linear_silu_mul`); bitwise what
-    `panel_linear` then `fused.silu_mul` give. None where it cannot run (not fp32, I not a multiple of the
-    panel width, no AVX-512): the caller makes the two calls."""
-    if pw.dtype != torch.float32 or x.dtype != torch.float32 or x.device.type != "cpu":
+    """silu(gate) * up of `x @ W^T` for a packed gate|up fp32 or bf16 weight W [2I, K] (gate rows first), in
+    one call that never writes the gate|up product out (`kvf_panel_linear_silu_mul`,
+    `kvf_panel_linear_bf16_silu_mul`); bitwise what `panel_linear` then `fused.silu_mul` give. None where it
+    cannot run (another dtype, I not a multiple of the panel width, no AVX-512 / AVX512-BF16 build, bf16 on
+    AMX tiles or with an odd K): the caller makes the two calls."""
+    if pw.dtype not in (torch.float32, torch.bfloat16) or x.dtype != pw.dtype or x.device.type != "cpu":
         return None
-    lib = LIBRARY.load()
-    if lib is None or pw.n % (2 * lib.kvf_panel_nr()) or x.shape[-1] != pw.k:
+    fp32 = pw.dtype == torch.float32
+    lib = (LIBRARY if fp32 else LIBRARY_BF16).load()
+    nr = lib.kvf_panel_nr() if lib is not None and fp32 else lib.kvf_panel_bf16_nr() if lib is not None else 0
+    if lib is None or pw.n % (2 * nr) or x.shape[-1] != pw.k:
         return None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, pw.k).contiguous()
     m, inter = x2.shape[0], pw.n // 2
-    h = torch.empty(m, inter, dtype=torch.float32)
+    h = torch.empty(m, inter, dtype=pw.dtype)
     if m == 0:
         return h.view(*lead, inter)
-    done = lib.kvf_panel_linear_silu_mul(x2.data_ptr(), m, pw.k, pw.packed.data_ptr(), pw.n, h.data_ptr(),
-                                         num_threads or torch.get_num_threads())
+    run = lib.kvf_panel_linear_silu_mul if fp32 else lib.kvf_panel_linear_bf16_silu_mul
+    done = run(x2.data_ptr(), m, pw.k, pw.packed.data_ptr(), pw.n, h.data_ptr(), num_threads or torch.get_num_threads())
     return h.view(*lead, inter) if done else None

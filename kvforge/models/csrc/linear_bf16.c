@@ -21,6 +21,7 @@
  * AVX512-BF16 intrinsics where the compiler targets them; otherwise a plain-C loop over the same layout
  * (bf16 -> fp32 by a 16-bit shift, fp32 multiply-add), so the layout and the results hold on any CPU.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -183,10 +184,20 @@ static inline __attribute__((always_inline)) void dot_step(__m512 acc[GM][GP], c
     }
 }
 
+/* A tile's fp32 accumulators, unrounded, to out[r][p * NR + c] (GP x NR floats a row): the gated GEMM's
+ * scratch (kvf_panel_linear_bf16_silu_mul). */
+static inline __attribute__((always_inline)) void store_f32(__m512 acc[GM][GP], int mr, int np, float *out) {
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) _mm512_store_ps(out + (r * GP + p) * NR, acc[r][p]);
+}
+
 static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, int64_t ldx, int64_t K2,
                                                             const uint16_t *w, int64_t pstride, int mr, int np,
                                                             uint16_t *y, int64_t N, int64_t n0,
-                                                            const uint16_t *bias, const char *pf, int64_t npf) {
+                                                            const uint16_t *bias, const char *pf, int64_t npf,
+                                                            float *f32out) {
     __m512 acc[GM][GP];
     zero_tile(acc);
     int64_t per_k; /* prefetched lines of the next panel group per k-pair, over the first `steps` k-pairs */
@@ -196,7 +207,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, i
         dot_step(acc, x, ldx, w, pstride, mr, np, kp);
     }
     for (int64_t kp = steps; kp < K2; kp++) dot_step(acc, x, ldx, w, pstride, mr, np, kp);
-    store_tile(acc, mr, np, y, N, n0, bias);
+    if (f32out) store_f32(acc, mr, np, f32out);
+    else store_tile(acc, mr, np, y, N, n0, bias);
 }
 
 /* The same tile on fp32 FMAs. Why: AVX512-BF16's `vdpbf16ps` is not the fastest way to multiply bf16 on
@@ -237,7 +249,8 @@ static inline __attribute__((always_inline)) void fma_step(__m512 acc[GM][GP], c
 static inline __attribute__((always_inline)) void gemm_tile_fma(const float *xf, int64_t ldx, int64_t K2,
                                                                 const uint16_t *w, int64_t pstride, int mr, int np,
                                                                 uint16_t *y, int64_t N, int64_t n0,
-                                                                const uint16_t *bias, const char *pf, int64_t npf) {
+                                                                const uint16_t *bias, const char *pf, int64_t npf,
+                                                                float *f32out) {
     __m512 acc[GM][GP];
     zero_tile(acc);
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
@@ -248,7 +261,8 @@ static inline __attribute__((always_inline)) void gemm_tile_fma(const float *xf,
         fma_step(acc, xf, ldx, w, pstride, mr, np, kp, hi_mask);
     }
     for (int64_t kp = steps; kp < K2; kp++) fma_step(acc, xf, ldx, w, pstride, mr, np, kp, hi_mask);
-    store_tile(acc, mr, np, y, N, n0, bias);
+    if (f32out) store_f32(acc, mr, np, f32out);
+    else store_tile(acc, mr, np, y, N, n0, bias);
 }
 
 /* Which GEMM tile this CPU runs faster, measured once: 12 independent chains of each instruction, best
@@ -424,11 +438,11 @@ int kvf_panel_bf16_set_gemm_mode(int mode) {
 /* One specialised copy per (rows, panels), so every accumulator loop is unrolled into registers. */
 static void gemm_block(const uint32_t *x, const float *xf, int64_t K2, const uint16_t *w, int64_t pstride, int mr,
                        int np, uint16_t *y, int64_t N, int64_t n0, const uint16_t *bias, const char *pf,
-                       int64_t npf) {
+                       int64_t npf, float *f32out) {
 #define KVF_GEMM_CASE(R, P)                                                                          \
     case (R) * 4 + (P):                                                                              \
-        if (xf) gemm_tile_fma(xf, 2 * K2, K2, w, pstride, R, P, y, N, n0, bias, pf, npf);            \
-        else gemm_tile(x, K2, K2, w, pstride, R, P, y, N, n0, bias, pf, npf);                         \
+        if (xf) gemm_tile_fma(xf, 2 * K2, K2, w, pstride, R, P, y, N, n0, bias, pf, npf, f32out);    \
+        else gemm_tile(x, K2, K2, w, pstride, R, P, y, N, n0, bias, pf, npf, f32out);                 \
         break;
 #define KVF_GEMM_ROW(R) KVF_GEMM_CASE(R, 1) KVF_GEMM_CASE(R, 2) KVF_GEMM_CASE(R, 3)
     switch (mr * 4 + np) {
@@ -438,6 +452,23 @@ static void gemm_block(const uint32_t *x, const float *xf, int64_t K2, const uin
     }
 #undef KVF_GEMM_ROW
 #undef KVF_GEMM_CASE
+}
+#endif
+
+#if KVF_SIMD
+/* x's padded rows (M x 2K2 bf16 in k order) widened to fp32 for the FMA tiles, each by a 16-bit shift; NULL
+ * where there is no memory for them (the dot tiles then run: the same products). */
+static float *widen_rows(const uint32_t *xp, int64_t M, int64_t K2) {
+    float *xf = (float *)aligned_alloc(64, (size_t)((M * 2 * K2 * sizeof(float) + 63) / 64 * 64));
+    if (!xf) return NULL;
+    const uint16_t *src = (const uint16_t *)xp;
+    const int64_t total = M * 2 * K2;
+    for (int64_t e = 0; e < total; e += 16) {
+        const __mmask16 m = (__mmask16)(total - e >= 16 ? 0xffffu : (1u << (total - e)) - 1u);
+        const __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + e)), 16);
+        _mm512_mask_storeu_ps(xf + e, m, _mm512_castsi512_ps(v));
+    }
+    return xf;
 }
 #endif
 
@@ -474,19 +505,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     const int amx = 0;
 #endif
     if (mode == 2 && !amx) mode = kvf_panel_bf16_fma_faster(); /* AMX cannot take this call: the faster vector tile */
-    if (mode == 1) {
-        xf = (float *)aligned_alloc(64, (size_t)((M * 2 * K2 * sizeof(float) + 63) / 64 * 64));
-        if (xf) {
-            /* x's padded rows are M x 2K2 bf16 in k order: each widens to fp32 by a 16-bit shift */
-            const uint16_t *src = (const uint16_t *)xp;
-            const int64_t total = M * 2 * K2;
-            for (int64_t e = 0; e < total; e += 16) {
-                const __mmask16 m = (__mmask16)(total - e >= 16 ? 0xffffu : (1u << (total - e)) - 1u);
-                const __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + e)), 16);
-                _mm512_mask_storeu_ps(xf + e, m, _mm512_castsi512_ps(v));
-            }
-        }
-    }
+    if (mode == 1) xf = widen_rows(xp, M, K2);
 #endif
 #pragma omp parallel num_threads(nthreads)
     {
@@ -512,7 +531,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
                     const int mr = (int)(M - i < GM ? M - i : GM);
                     const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
                     gemm_block(xp + i * K2, xf ? xf + i * 2 * K2 : NULL, K2, wp + p * panel_elems, panel_elems,
-                               mr, np, y + i * N, N, p * NR, bias, pf + 64 * l0, l1 - l0);
+                               mr, np, y + i * N, N, p * NR, bias, pf + 64 * l0, l1 - l0, NULL);
                 }
             }
             p1 = p0; /* done: skip the decode-row loop below */
@@ -539,4 +558,88 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
 #endif
     free(xf);
     free(xpad);
+}
+
+/* h[M, I] = silu(x @ Wg^T) * (x @ Wu^T) on a packed bf16 gate|up weight (N2 = 2I rows: gate then up), I a
+ * multiple of NR, K even. Why: a prefill chunk's gate|up product is the largest buffer of a step (the 1B
+ * preset at 1,024 rows: 32 MB a layer). Written out, read back by SiLU-and-multiply and freed, it also came
+ * back from glibc as a fresh mapping every layer (32 MB is past the mmap threshold glibc raises by itself),
+ * faulted in page by page: ~131,000 of a 1,024-token step's ~161,000 minor faults. Here each row tile's
+ * gate and up accumulators stay in a 3 KiB scratch, and only h (half the bytes) is written. Bitwise what
+ * kvf_panel_linear_bf16 then fused_ops.c's kvf_silu_mul give: the same tiles in the same k order, each
+ * product rounded to bf16 as the linear stores it, and kvf_silu_mul's expression and roundings
+ * (round(silu(g)) * u, libmvec's 16-lane expf). Returns 1, or 0 where it cannot run (no AVX512-BF16 build,
+ * AMX tiles in use, odd K, I not whole panels, no memory): the caller then makes the two calls. */
+#if KVF_SIMD
+static inline __attribute__((always_inline)) void silu_mul_bf16x16(const uint16_t *g, const float *u, uint16_t *h) {
+#pragma omp simd simdlen(16)
+    for (int c = 0; c < 16; c++) {
+        const float x = bf16_to_f32(g[c]), up = round_to_bf16(u[c]);
+        h[c] = f32_to_bf16(round_to_bf16(x / (1.f + expf(-x))) * up);
+    }
+}
+#endif
+
+int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N2,
+                                   uint16_t *h, int nthreads) {
+#if KVF_SIMD
+    const int64_t I = N2 / 2, Pg = I / NR, K2 = K / 2, panel_elems = K2 * 2 * NR;
+    if (M < 1 || K < 2 || K % 2 || I < NR || I % NR || N2 % 2) return 0;
+    int mode = kvf_panel_bf16_gemm_mode();
+    if (mode == 2) return 0; /* AMX tiles: the two calls (their linear runs on AMX) */
+    const uint32_t *xp = (const uint32_t *)x;
+    float *xf = mode == 1 ? widen_rows(xp, M, K2) : NULL;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > Pg) nthreads = (int)Pg;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        KVF_TEAM(tid, nth);
+        /* this thread's gate panels [p0, p1) and their up panels [Pg + p0, Pg + p1) */
+        const int64_t p0 = Pg * tid / nth, p1 = Pg * (tid + 1) / nth;
+        const int64_t tiles = (M + GM - 1) / GM;
+        float acc[GM * GP * NR] __attribute__((aligned(64)));
+        /* every row's gate columns of the group, rounded to bf16: the up pass reads them back */
+        uint16_t *gate = (uint16_t *)malloc((size_t)(tiles * GM * GP * NR) * sizeof(uint16_t));
+        if (!gate) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t p = p0; p < p1 && gate; p += GP) {
+            const int np = (int)(p1 - p < GP ? p1 - p : GP);
+            const int64_t lines = np * panel_elems * (int64_t)sizeof(uint16_t) / 64;
+            const int64_t next = p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
+            const int64_t next_lines = next * panel_elems * (int64_t)sizeof(uint16_t) / 64;
+            /* the gate pass prefetches this group's up panels; the up pass the next group's gate panels */
+            const char *pf_up = (const char *)(wp + (Pg + p) * panel_elems);
+            const char *pf_gate = (const char *)(wp + (p + GP) * panel_elems);
+            for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
+                const int mr = (int)(M - i < GM ? M - i : GM);
+                const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
+                gemm_block(xp + i * K2, xf ? xf + i * 2 * K2 : NULL, K2, wp + p * panel_elems, panel_elems, mr, np,
+                           NULL, 0, 0, NULL, pf_up + 64 * l0, l1 - l0, acc);
+                for (int r = 0; r < mr; r++)
+                    for (int c = 0; c < np * NR; c += 16)
+                        _mm256_storeu_si256((__m256i *)(gate + (i + r) * GP * NR + c),
+                                            f32x16_to_bf16(_mm512_load_ps(acc + r * GP * NR + c)));
+            }
+            for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
+                const int mr = (int)(M - i < GM ? M - i : GM);
+                const int64_t l0 = next_lines * t / tiles, l1 = next_lines * (t + 1) / tiles;
+                gemm_block(xp + i * K2, xf ? xf + i * 2 * K2 : NULL, K2, wp + (Pg + p) * panel_elems, panel_elems,
+                           mr, np, NULL, 0, 0, NULL, pf_gate + 64 * l0, l1 - l0, acc);
+                for (int r = 0; r < mr; r++)
+                    for (int c = 0; c < np * NR; c += 16)
+                        silu_mul_bf16x16(gate + (i + r) * GP * NR + c, acc + r * GP * NR + c,
+                                         h + (i + r) * I + p * NR + c);
+            }
+        }
+        free(gate);
+    }
+    free(xf);
+    return !failed;
+#else
+    (void)x, (void)M, (void)K, (void)wp, (void)N2, (void)h, (void)nthreads;
+    return 0;
+#endif
 }
