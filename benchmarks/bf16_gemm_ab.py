@@ -5,11 +5,12 @@ so only two builds timed call by call under the same load can be compared. Build
 `git show REV:kvforge/models/csrc/linear_bf16.c > /tmp/old.c`) beside this tree's `linear_bf16.c`, with
 the same flags, and times both:
 
-- prefill: the 1B preset's four linear shapes (qkv 3,072 x 2,048, o 2,048 x 2,048, fused gate/up
+- prefill: the 1B preset's (or with `--shapes smollm2` the default model's) four linear shapes (qkv 3,072 x 2,048, o 2,048 x 2,048, fused gate/up
   16,384 x 2,048, down 2,048 x 8,192) at `--prefill-rows` rows (a 1,024-token chunk by default), best of
   `--repeats`, as GFLOP/s;
-- a step: every linear of `--layers` layers of those shapes (2.1 GB of distinct bf16 weights for 16, so
-  they stream from DRAM as in a decode step) at each of `--rows`, per round old then new, printing the
+- a step: every linear of `--layers` layers of those shapes (the model's count by default: 1.95 GB of
+  distinct bf16 weights at 1B, which stream from DRAM as in a decode step; the default model's 0.21 GB
+  stay in a 32 MiB L3 only in part) at each of `--rows`, per round old then new, printing the
   median time, the weights' GB/s and the median of the per-round ratios old/new with its range.
 
 Outputs are checked equal (the kernel's results do not depend on its prefetches). The GEMM tile is this
@@ -35,7 +36,9 @@ import torch
 from kvforge.models import panel_linear as pl
 from kvforge.native import NativeLibrary
 
-SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # the 1B preset's (N, K): qkv, o, gate/up, down
+# (N, K) of qkv, o, gate|up, down, and the layer count
+PRESETS = {"1b": ([(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], 16),  # benchmarks/random_llama.py
+           "smollm2": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], 30)}  # the default model
 
 
 def call(lib, x: torch.Tensor, pw: pl.PanelWeight, y: torch.Tensor, threads: int) -> None:  # type: ignore[no-untyped-def]
@@ -58,7 +61,8 @@ def main() -> None:
     ap.add_argument("--old-source", type=Path, required=True, help="the old linear_bf16.c")
     ap.add_argument("--prefill-rows", type=int, default=1024)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64], help="rows of the step A/B")
-    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shapes", choices=sorted(PRESETS), default="1b", help="whose linear shapes")
+    ap.add_argument("--layers", type=int, default=None, help="layers in the step A/B (default: the model's)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--mode", choices=["auto", "dot", "fma"], default="auto")
     ap.add_argument("--gated", action="store_true", help="also time the fused gate|up + SiLU call against two calls")
@@ -74,12 +78,14 @@ def main() -> None:
     loaded = {name: library.load() for name, library in libs.items()}
     mode = {name: pl.BF16_GEMM_NAMES[lib.kvf_panel_bf16_gemm_mode()] for name, lib in loaded.items()}
     print(f"{threads} threads; GEMM tile old {mode['old']}, new {mode['new']}")
+    shapes, num_layers = PRESETS[args.shapes]
+    args.layers = args.layers or num_layers
     torch.manual_seed(0)
-    layers = [[pl.pack_panels((torch.randn(n, k) * 0.02).bfloat16()) for n, k in SHAPES] for _ in range(args.layers)]
+    layers = [[pl.pack_panels((torch.randn(n, k) * 0.02).bfloat16()) for n, k in shapes] for _ in range(args.layers)]
 
     # prefill shapes: best of the repeats, calls alternating
     m = args.prefill_rows
-    xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES}}
+    xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in shapes}}
     print(f"\nprefill, {m} rows: ms (GFLOP/s), best of {args.repeats}")
     total = {name: 0.0 for name in loaded}
     for pw in layers[0]:
@@ -96,7 +102,7 @@ def main() -> None:
         print(f"  N={pw.n:>5} K={pw.k:>4}  {cells}  old/new {best['old'] / best['new']:.3f}x")
         for name in loaded:
             total[name] += best[name]
-    flop = sum(2 * m * n * k for n, k in SHAPES)
+    flop = sum(2 * m * n * k for n, k in shapes)
     print(f"  all four        " + "  ".join(f"{name} {total[name] * 1e3:7.2f} ({flop / total[name] / 1e9:4.0f})"
                                              for name in loaded) + f"  old/new {total['old'] / total['new']:.3f}x")
 
@@ -105,8 +111,8 @@ def main() -> None:
     print(f"\na step's linears, {args.layers} layers ({gb:.2f} GB of weights): median ms (weight GB/s), "
           f"old/new per round: median [range]")
     for rows in args.rows:
-        xr = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in SHAPES}}
-        yr = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in SHAPES}
+        xr = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in shapes}}
+        yr = {n: torch.empty(rows, n, dtype=torch.bfloat16) for n, _ in shapes}
         times: dict[str, list[float]] = {name: [] for name in loaded}
         for _ in range(args.repeats + 1):  # the first round warms up and is dropped
             for name, lib in loaded.items():
