@@ -214,8 +214,7 @@ def panel_linear_silu_mul(x: torch.Tensor, pw: PanelWeight, num_threads: int | N
         return None
     fp32 = pw.dtype == torch.float32
     lib = (LIBRARY if fp32 else LIBRARY_BF16).load()
-    nr = lib.kvf_panel_nr() if lib is not None and fp32 else lib.kvf_panel_bf16_nr() if lib is not None else 0
-    if lib is None or pw.n % (2 * nr) or x.shape[-1] != pw.k:
+    if lib is None or pw.n % (2 * (lib.kvf_panel_nr() if fp32 else lib.kvf_panel_bf16_nr())) or x.shape[-1] != pw.k:
         return None
     lead = x.shape[:-1]
     x2 = x.reshape(-1, pw.k).contiguous()
