@@ -44,8 +44,8 @@ def test_kernel_is_the_reference_bit_for_bit(n, k, group):
 
 def test_layout_holds_the_codes_and_fp16_scales():
     """The w4a8 layout ([panels, K8, 16, 4]) gives the codes back, whole or by rows; its scales and offsets
-    are fp16 (4 bytes a group), the codes made against those rounded values, so the dequantized weight
-    u x s + o is within half a step of w, as int4's own (fp32 scales) is."""
+    are fp16 (4 bytes a group), the codes made against those rounded values (how close that is to w:
+    test_weight_quant's `test_int4_search_never_loses_to_min_max`)."""
     w = torch.randn(45, 203) * 0.1
     codes, scales, offsets, bits, group = quantize_rows(w, "w4a8", 64)
     assert bits == 4 and group == 64
@@ -60,8 +60,6 @@ def test_layout_holds_the_codes_and_fp16_scales():
     manual = (codes.double() * scales.double()[:, g] + offsets.double()[:, g]).float()
     assert torch.equal(dequantize(qw), manual)
     assert torch.equal(dequantize(qw, rows), manual[rows])
-    half_step = scales[:, g] / 2 * 1.01 + 1e-6
-    assert bool(((manual - w).abs() <= half_step).all())
 
 
 def test_refuses_weights_beyond_fp16():

@@ -1113,3 +1113,159 @@ int kvf_qlinear_desc(const void *x, int x_bf16, int64_t M, int64_t K, const void
     if (d->act8) return kvf_qlinear_a8(x, x_bf16, M, K, d->codes, d->scales, N, NULL, y, nthreads);
     return kvf_qlinear(x, x_bf16, M, K, d->codes, (int)d->bits, d->scales, d->offsets, d->group, N, NULL, y, nthreads);
 }
+
+/* ---- int4 weight quantization: each group's scale and offset chosen by a search ----
+ *
+ * Why: splitting a group's [min, max] into 15 steps wastes levels wherever the extremes are rare, and on a
+ * weight that was already on a coarser grid (a GGUF's 4- or 5-bit blocks) it misses that grid. For every
+ * candidate step count n (`cands`, quant_linear.INT4_STEP_CANDIDATES) the group is rounded on the step
+ * (max - min) / n (n > 15 clips both ends evenly), then the scale and offset are refitted by least squares
+ * to those codes, the group is rounded again on the fitted pair, and the pair with the least squared error
+ * is kept, unless the plain min/max rule (tried first) does better, so the error never goes up; a group that
+ * lies on a grid of at most 15 steps is found exactly. Codes [N][K] uint8 in [0, 15], scales and offsets
+ * [N][ceil(K / group)] fp32 (rounded to fp16 first when fp16_params: w4a8 stores them so); w = code x scale
+ * + offset. quant_linear._int4_search_torch is the same search, for builds without this library.
+ */
+static float int4_group_error(const float *x, int64_t cnt, float s, float m) {
+    const float inv = 1.0f / s;
+    float e = 0.0f;
+#pragma omp simd reduction(+ : e)
+    for (int64_t i = 0; i < cnt; i++) {
+        const float l = fminf(fmaxf(rintf((x[i] - m) * inv), 0.0f), 15.0f);
+        const float d = l * s + m - x[i];
+        e += d * d;
+    }
+    return e;
+}
+
+static float round_param(float v, int fp16) { return fp16 ? (float)(_Float16)v : v; }
+
+static void int4_group(const float *x, int64_t cnt, const float *cands, int ncand, int fp16, uint8_t *codes,
+                       float *scale, float *offset) {
+    float lo = x[0], hi = x[0], sx = 0.0f;
+#pragma omp simd reduction(min : lo) reduction(max : hi) reduction(+ : sx)
+    for (int64_t i = 0; i < cnt; i++) {
+        lo = fminf(lo, x[i]);
+        hi = fmaxf(hi, x[i]);
+        sx += x[i];
+    }
+    const float span = hi - lo, n0 = (float)cnt;
+    float best_s = round_param(span / 15.0f, fp16), best_m = round_param(lo, fp16), best_e = INFINITY;
+    if (span > 0.0f && best_s > 0.0f) best_e = int4_group_error(x, cnt, best_s, best_m); /* the min/max rule */
+    for (int c = 0; c < ncand && span > 0.0f; c++) {
+        const float s = span / cands[c], a = lo + fmaxf(span - 15.0f * s, 0.0f) * 0.5f, inv = 1.0f / s;
+        float sl = 0.0f, sll = 0.0f, sxl = 0.0f;
+#pragma omp simd reduction(+ : sl, sll, sxl)
+        for (int64_t i = 0; i < cnt; i++) {
+            const float l = fminf(fmaxf(rintf((x[i] - a) * inv), 0.0f), 15.0f);
+            sl += l;
+            sll += l * l;
+            sxl += x[i] * l;
+        }
+        float fs = s, fm = a;
+        const float det = n0 * sll - sl * sl;
+        if (det > 1e-6f * n0 * n0) {
+            const float f = (n0 * sxl - sx * sl) / det;
+            if (f > 0.0f) fs = f, fm = (sx - f * sl) / n0;
+        }
+        fs = round_param(fs, fp16), fm = round_param(fm, fp16);
+        if (!(fs > 0.0f) || !isfinite(fs) || !isfinite(fm)) continue;
+        const float e = int4_group_error(x, cnt, fs, fm);
+        if (e < best_e) best_e = e, best_s = fs, best_m = fm;
+    }
+    const float inv = best_s > 0.0f ? 1.0f / best_s : 1.0f;
+    for (int64_t i = 0; i < cnt; i++) codes[i] = (uint8_t)fminf(fmaxf(rintf((x[i] - best_m) * inv), 0.0f), 15.0f);
+    *scale = best_s, *offset = best_m;
+}
+
+/* The same search for LANES whole groups at once, one group per vector lane (GCC's generic vectors: one zmm,
+ * two ymm, or what the target has): the groups are transposed into xt [group][LANES] (group <=
+ * MAX_LANE_GROUP) so every step is a vertical operation and no sum is reduced across lanes; int4_group takes
+ * the rest. The two compute the same formulas; their fp32 sums are added in different orders. */
+#define LANES 16
+#define MAX_LANE_GROUP 256
+typedef float vlane __attribute__((vector_size(LANES * 4)));
+typedef int32_t vlane_mask __attribute__((vector_size(LANES * 4)));
+
+INLINE vlane lane_select(vlane_mask m, vlane a, vlane b) { return (vlane)((m & (vlane_mask)a) | (~m & (vlane_mask)b)); }
+INLINE vlane lane_min(vlane a, vlane b) { return lane_select(a < b, a, b); }
+INLINE vlane lane_max(vlane a, vlane b) { return lane_select(a > b, a, b); }
+/* clamp(rint(v), 0, 15): clamped first to [-1, 16], where adding and taking away 1.5 x 2^23 rounds to the
+ * nearest integer (ties to even), as rintf does */
+INLINE vlane lane_code(vlane v) {
+    const vlane zero = {0}, magic = zero + 12582912.0f;
+    v = lane_min(lane_max(v, zero - 1.0f), zero + 16.0f);
+    v = (v + magic) - magic;
+    return lane_min(lane_max(v, zero), zero + 15.0f);
+}
+
+static void int4_lanes(const float *x, int64_t group, const float *cands, int ncand, int fp16, uint8_t *codes,
+                       float *scale, float *offset, vlane *xt) {
+    for (int64_t i = 0; i < group; i++)
+        for (int j = 0; j < LANES; j++) xt[i][j] = x[j * group + i];
+    const vlane zero = {0};
+    vlane lo = xt[0], hi = xt[0], sx = zero;
+    for (int64_t i = 0; i < group; i++) lo = lane_min(lo, xt[i]), hi = lane_max(hi, xt[i]), sx += xt[i];
+    const vlane span = hi - lo, n0 = zero + (float)group;
+    vlane best_s = span / 15.0f, best_m = lo, best_e = zero;
+    for (int j = 0; j < LANES; j++) best_s[j] = round_param(best_s[j], fp16), best_m[j] = round_param(best_m[j], fp16);
+    const vlane best_iv = 1.0f / best_s; /* the min/max rule's error, which the candidates must beat */
+    for (int64_t i = 0; i < group; i++) {
+        const vlane d = lane_code((xt[i] - best_m) * best_iv) * best_s + best_m - xt[i];
+        best_e += d * d;
+    }
+    best_e = lane_select((span > zero) & (best_s > zero), best_e, zero + INFINITY);
+    for (int c = 0; c < ncand; c++) {
+        const vlane s = span / cands[c], a = lo + lane_max(span - 15.0f * s, zero) * 0.5f, inv = 1.0f / s;
+        vlane sl = zero, sll = zero, sxl = zero;
+        for (int64_t i = 0; i < group; i++) {
+            const vlane l = lane_code((xt[i] - a) * inv);
+            sl += l, sll += l * l, sxl += xt[i] * l;
+        }
+        const vlane det = n0 * sll - sl * sl, f = (n0 * sxl - sx * sl) / det;
+        const vlane_mask fit = (det > 1e-6f * n0 * n0) & (f > zero);
+        vlane fs = lane_select(fit, f, s), fm = lane_select(fit, (sx - f * sl) / n0, a);
+        if (fp16)
+            for (int j = 0; j < LANES; j++) fs[j] = round_param(fs[j], 1), fm[j] = round_param(fm[j], 1);
+        const vlane iv = 1.0f / fs;
+        vlane e = zero;
+        for (int64_t i = 0; i < group; i++) {
+            const vlane d = lane_code((xt[i] - fm) * iv) * fs + fm - xt[i];
+            e += d * d;
+        }
+        const vlane_mask take = (span > zero) & (fs > zero) & (fs < INFINITY) & (fm < INFINITY) & (fm > -INFINITY) &
+                                (e < best_e);
+        best_e = lane_select(take, e, best_e), best_s = lane_select(take, fs, best_s);
+        best_m = lane_select(take, fm, best_m);
+    }
+    const vlane iv = lane_select(best_s > zero, 1.0f / best_s, zero + 1.0f);
+    for (int64_t i = 0; i < group; i++) {
+        const vlane l = lane_code((xt[i] - best_m) * iv);
+        for (int j = 0; j < LANES; j++) codes[j * group + i] = (uint8_t)l[j];
+    }
+    for (int j = 0; j < LANES; j++) scale[j] = best_s[j], offset[j] = best_m[j];
+}
+
+int kvf_quantize_int4(const float *w, int64_t N, int64_t K, int64_t group, const float *cands, int ncand,
+                      int fp16_params, uint8_t *codes, float *scales, float *offsets, int nthreads) {
+    if (group < 1 || K < 1) return -1;
+    const int64_t G = (K + group - 1) / group, whole = K / group;
+    const int64_t lane_groups = group <= MAX_LANE_GROUP ? whole / LANES * LANES : 0;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        vlane xt[MAX_LANE_GROUP];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < N; r++) {
+            for (int64_t g = 0; g < lane_groups; g += LANES)
+                int4_lanes(w + r * K + g * group, group, cands, ncand, fp16_params, codes + r * K + g * group,
+                           scales + r * G + g, offsets + r * G + g, xt);
+            for (int64_t g = lane_groups; g < G; g++) {
+                const int64_t k0 = g * group, cnt = K - k0 < group ? K - k0 : group;
+                int4_group(w + r * K + k0, cnt, cands, ncand, fp16_params, codes + r * K + k0, scales + r * G + g,
+                           offsets + r * G + g);
+            }
+        }
+    }
+    return 0;
+}
