@@ -88,7 +88,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader: Any) -> "Tokenizer":
-        """Rebuild the tokenizer described by a `gguf.GGUFReader`'s `tokenizer.*` metadata."""
+        """Rebuild the tokenizer described by a GGUF file's (`gguf_file.GGUFFile`) `tokenizer.*` metadata."""
         from kvforge.gguf_tokenizer import build_gguf_tokenizer  # lazy: pulls in gguf/numpy
 
         backend, meta = build_gguf_tokenizer(reader)

@@ -15,8 +15,8 @@ import kvforge
 
 # Bottom first. A part may import its own modules and any part of a lower layer, nothing else.
 LAYERS: list[set[str]] = [
-    {"ledger", "flags", "progress", "envs"},  # KV byte arithmetic; config-field flags; progress lines; the
-    # KVFORGE_* registry: import nothing of kvforge
+    {"ledger", "flags", "progress", "envs", "gguf_file"},  # KV byte arithmetic; config-field flags; progress
+    # lines; the KVFORGE_* registry; a GGUF file's header and tensor table: import nothing of kvforge
     {"hf_config"},  # HF config.json -> model description (KVShape, windows, family): pure
     {"config", "gguf_tokenizer", "native"},  # validated configs (pure); GGUF tokenizer metadata; C builds
     {"tokenizer", "planner"},  # text <-> ids; `kvforge plan` arithmetic (pure)

@@ -95,13 +95,12 @@ def _gguf_tokenizer(path: str):  # type: ignore[no-untyped-def]
             return Tokenizer(HFTokenizer.from_str(data["backend"]), **data["meta"])
         except Exception:  # a damaged or foreign cache entry: rebuild it
             pass
-    from gguf import GGUFReader
-
+    from kvforge.gguf_file import GGUFFile
     from kvforge.gguf_tokenizer import build_gguf_tokenizer
 
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError / struct errors on foreign files
+        reader = GGUFFile(path)
+    except Exception as e:  # GGUFFile raises ValueError on foreign or truncated files
         raise ValueError(f"--model {path!r} is not a readable GGUF file: {e}") from e
     backend, meta = build_gguf_tokenizer(reader)
     meta = {"bos_token_id": None if meta["bos_token_id"] is None else int(meta["bos_token_id"]),

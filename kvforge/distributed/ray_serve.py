@@ -58,9 +58,9 @@ def load_tokenizer(model: str | None) -> Any:
     path = default_model_path() if model in (None, DEFAULT_MODEL_NAME) else os.fspath(model)  # type: ignore[arg-type]
     if os.path.isdir(path):
         return Tokenizer.from_dir(path)
-    from gguf import GGUFReader
+    from kvforge.gguf_file import GGUFFile
 
-    return Tokenizer.from_gguf(GGUFReader(path))
+    return Tokenizer.from_gguf(GGUFFile(path))
 
 
 # ---- the request router (runs in the process holding the deployment handle) --------------------

@@ -436,9 +436,9 @@ class GGUFSource(WeightSource):
 def file_codes(path: str, num_heads: int, num_kv_heads: int) -> dict[str, Callable[[], gguf_quant.Codes]]:
     """HF weight name -> a call that converts that GGUF tensor's blocks (read from the memory-mapped file
     only when called), for every 2-D tensor of a kept type; q/k rows unpermuted as the loader does."""
-    from gguf import GGUFReader
+    from kvforge.gguf_file import GGUFFile
 
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     arch, spec = _arch(reader)
     out: dict[str, Callable[[], gguf_quant.Codes]] = {}
     for t in reader.tensors:

@@ -81,14 +81,13 @@ def load_checkpoint(model: str | None = None) -> Checkpoint:
 
 
 def _load_gguf(path: str) -> Checkpoint:
-    from gguf import GGUFReader
-
+    from kvforge.gguf_file import GGUFFile
     from kvforge.models.gguf_loader import GGUFSource, gguf_hf_config
     from kvforge.tokenizer import Tokenizer
 
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError / struct errors on foreign files
+        reader = GGUFFile(path)
+    except Exception as e:  # GGUFFile raises ValueError on foreign or truncated files
         raise ValueError(f"model {path!r} is not a readable GGUF file: {e}") from e
     cfg = gguf_hf_config(reader)
     validate_hf_config(cfg, path)

@@ -1124,7 +1124,7 @@ int kvf_qlinear_desc(const void *x, int x_bf16, int64_t M, int64_t K, const void
  * is kept, unless the plain min/max rule (tried first) does better, so the error never goes up; a group that
  * lies on a grid of at most 15 steps is found exactly. Codes [N][K] uint8 in [0, 15], scales and offsets
  * [N][ceil(K / group)] fp32 (rounded to fp16 first when fp16_params: w4a8 stores them so); w = code x scale
- * + offset. quant_linear._int4_search_torch is the same search, for builds without this library.
+ * + offset.
  */
 static float int4_group_error(const float *x, int64_t cnt, float s, float m) {
     const float inv = 1.0f / s;
