@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType, TokenType
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
+from gguf.quants import quantize as gguf_quantize
 
 # HF module path inside model.layers.N -> llama.cpp name inside blk.N
 _COMMON = {
@@ -269,8 +270,11 @@ def _global_tensors(sd: dict[str, torch.Tensor], arch: str, tied: bool) -> dict[
     return out
 
 
-def export_model(folder: str, config: Any, path: str, arch: str, *, split_kv_b: bool = True) -> str:
-    """Write the HF checkpoint in `folder` as llama.cpp's converter would; returns `path`.
+def export_model(folder: str, config: Any, path: str, arch: str, *, split_kv_b: bool = True,
+                 quantize: GGMLQuantizationType | None = None) -> str:
+    """Write the HF checkpoint in `folder` as llama.cpp's converter would; returns `path`. `quantize`: the
+    blocks' linear weights (2-D `blk.*` tensors but norms) in that GGUF block type, by the `gguf` package's
+    own quantizer, as `llama-quantize` would store them; the rest stays f32.
 
     Reads the saved safetensors (per-expert names, as the converter sees them), not a
     live transformers model. Gemma gets a sentencepiece vocabulary (Gemma's converter
@@ -295,7 +299,10 @@ def export_model(folder: str, config: Any, path: str, arch: str, *, split_kv_b: 
     sd = load_file(os.path.join(folder, "model.safetensors"))
     tensors = {**_global_tensors(sd, arch, c.tie_word_embeddings), **_layer_tensors(sd, names, c, arch, split_kv_b)}
     for name, arr in tensors.items():
-        w.add_tensor(name, arr)
+        if quantize is not None and name.startswith("blk.") and arr.ndim == 2 and "norm" not in name:
+            w.add_tensor(name, gguf_quantize(arr, quantize), raw_dtype=quantize)
+        else:
+            w.add_tensor(name, arr)
     _write(w)
     return path
 

@@ -253,7 +253,7 @@ def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
     half = lambda: rng.uniform(0.001, 0.05, size=(len(b), 1)).astype(np.float16).view(np.uint8)  # noqa: E731
-    if qtype in (gguf_quant.Q8_0, gguf_quant.Q4_0):
+    if qtype in (gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0):
         b[:, :2] = half()
     elif qtype == gguf_quant.Q4_1:
         b[:, 0:2], b[:, 2:4] = half(), half()
@@ -264,11 +264,11 @@ def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     return b
 
 
-@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q4_0, gguf_quant.Q4_1, gguf_quant.Q4_K,
-                                   gguf_quant.Q6_K], ids=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0, gguf_quant.Q4_1,
+                                   gguf_quant.Q4_K, gguf_quant.Q6_K], ids=["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     """Each block format converted to kernel codes (no float copy) dequantizes to what the `gguf` package
-    gives (Q8_0, Q4_0, Q6_K bit for bit; Q4_1 and Q4_K within one fp32 rounding: the kernel's FMA rounds
+    gives (Q8_0, Q5_0, Q4_0, Q6_K bit for bit; Q4_1 and Q4_K within one fp32 rounding: the kernel's FMA rounds
     q x scale + min once, the package twice), and the kernel multiplies those weights."""
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -286,8 +286,8 @@ def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     check(qw, 40, torch.float32)
 
 
-@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q4_0, gguf_quant.Q4_1, gguf_quant.Q4_K,
-                                   gguf_quant.Q6_K], ids=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0, gguf_quant.Q4_1,
+                                   gguf_quant.Q4_K, gguf_quant.Q6_K], ids=["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_gguf_float_load_is_the_gguf_dequantizer_bit_for_bit(qtype):
     """Loading a GGUF in float32 / bfloat16 dequantizes through `gguf_quant.dequantize` (vectorized), which
     must give the `gguf` package's floats exactly: the parity tests against transformers rest on them."""
@@ -318,6 +318,7 @@ def test_eval_weights_reports_each_format_against_the_reference(tmp_path, capsys
         assert abs(rows[1]["perplexity"][c] / rows[0]["perplexity"][c] - 1) < 0.05
     assert 0 < rows[1]["kl"] < 0.05
     assert main(["eval", "weights", "--model", str(tmp_path), "--formats", "none,int3"]) == 2
+    assert main(["eval", "weights", "--model", str(tmp_path), "--formats", "none,gguf"]) == 2  # not a .gguf
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""`kvforge eval weights`: perplexity of each weight format (none, int8, int4, w8a8_int8, w4a8) against the unquantized model.
+"""`kvforge eval weights`: perplexity of each weight format (none, int8, int4, w8a8_int8, w4a8; gguf for a .gguf model) against the unquantized model.
 
 Each format is one engine load (quantized at load, as `--quantization` does) scored on the same
 windows of CPython's documentation; the table gives perplexity per context, its change against the
@@ -7,6 +7,7 @@ first format, and the mean next-token KL divergence from it.
 Example:
   kvforge eval weights                                    # default model, bf16 activations, every format
   kvforge eval weights --formats none,int8 --dtype float32 --contexts 512,1024
+  kvforge eval weights --model gemma-3-270m-q4_k_m.gguf --formats none,gguf,int4   # the file's own codes too
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 from kvforge.config import INT4_GROUP_SIZES, SUPPORTED_DTYPES, WEIGHT_FORMAT_NAMES
 from kvforge.flags import flag_errors
 
+EVAL_FORMATS = (*WEIGHT_FORMAT_NAMES, "gguf")  # gguf: a .gguf model's own codes (`quantization="gguf"`)
 HELP = "quality cost of each weight format (perplexity and KL of int8 / int4 weights vs unquantized)"
 _FLAGS = {"dtype": "--dtype", "device": "--device", "model": "--model",
           "quantization_group_size": "--quantization-group-size"}
@@ -36,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=SUPPORTED_DTYPES, help="model (activation) dtype")
     p.add_argument("--device", default=None, help="cpu (the int8/int4 kernels are CPU kernels)")
     p.add_argument("--formats", default=",".join(WEIGHT_FORMAT_NAMES),
-                   help="comma-separated weight formats, the first is the reference (none = unquantized)")
+                   help="comma-separated weight formats, the first is the reference (none = unquantized; "
+                        "gguf = a .gguf model's own codes, not in the default list)")
     p.add_argument("--quantization-group-size", type=int, default=32, choices=INT4_GROUP_SIZES,
                    help="int4: weights per scale along K")
     p.add_argument("--contexts", type=_ints, default=(512, 1024), help="perplexity context lengths")
@@ -50,9 +53,11 @@ def run(args: argparse.Namespace) -> int:
     from kvforge.evaluation.weight_quant_eval import render_weight_table, run_weight_eval
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    bad = [f for f in formats if f not in WEIGHT_FORMAT_NAMES]
+    bad = [f for f in formats if f not in EVAL_FORMATS]
     if bad or not formats:
-        raise ValueError(f"--formats takes {', '.join(WEIGHT_FORMAT_NAMES)}, got {args.formats!r}")
+        raise ValueError(f"--formats takes {', '.join(EVAL_FORMATS)}, got {args.formats!r}")
+    if "gguf" in formats and args.model is not None and not str(args.model).endswith(".gguf"):
+        raise ValueError(f"--formats gguf keeps a .gguf file's own codes; --model {args.model!r} is not a .gguf file")
     if args.windows < 1:
         raise ValueError("--windows must be >= 1")
     tokens = max(args.contexts)
