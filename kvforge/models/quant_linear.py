@@ -142,10 +142,9 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
     if scales.shape != (n, groups) or (offsets is not None and offsets.shape != (n, groups)):
         raise ValueError(f"scales must be [{n}, {groups}], got {tuple(scales.shape)}")
     npad = _panels(n) * NR
-    if bits == 8:
-        padded = torch.zeros(npad, k, dtype=torch.int8)
-        padded[:n] = codes
-        packed = padded.view(-1, NR, k).transpose(1, 2).contiguous().view(torch.uint8)  # [panels, K, 16]
+    if bits == 8:  # whole panels need no padded copy (a 100 MB lm_head's codes: one copy fewer at load)
+        padded = codes.contiguous() if npad == n else torch.cat([codes, codes.new_zeros(npad - n, k)])
+        packed = padded.view(torch.int8).view(-1, NR, k).transpose(1, 2).contiguous().view(torch.uint8)  # [panels, K, 16]
     elif act_int8:  # w4a8: [panels, K8, 16, 4], byte b: k = 8 k8 + b (low nibble), 8 k8 + 4 + b (high)
         k8 = -(-k // 8)
         padded = torch.zeros(npad, k8 * 8, dtype=torch.uint8)

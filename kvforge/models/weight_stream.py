@@ -236,12 +236,14 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
         t0 = time.perf_counter()
         if q is not None:
             chunks = [c for part_codes in pend.codes for c in part_codes]
-            _, bits, grp = chunks[0][0], chunks[0][3], chunks[0][4]
+            bits, grp = chunks[0][3], chunks[0][4]
             offsets = torch.cat([c[2] for c in chunks]) if chunks[0][2] is not None else None
-            qw = pack_codes(torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]), offsets, bits, grp,
-                            act_int8=q[0] in ACT_INT8_METHODS)
-            del chunks
+            codes, scales = torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
+            del chunks  # the blocks' codes go before the panels are laid out: two copies of the codes at most, not four
             pend.codes = []
+            release_freed_memory()
+            qw = pack_codes(codes, scales, offsets, bits, grp, act_int8=q[0] in ACT_INT8_METHODS)
+            del codes
             attach_with_embedding(q[1], qw, q[2])
             times.quantize += time.perf_counter() - t0
         else:
