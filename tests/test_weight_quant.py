@@ -342,3 +342,37 @@ def test_default_model_keeps_its_gguf_codes_and_tokens():
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert all(abs(la[t] - lb[t]) < 2e-4 for t in la if t in lb)
+
+
+@pytest.mark.parametrize("method,group", [("int8", None), ("int4", 32), ("w8a8_int8", None), ("w4a8", 64)])
+def test_streamed_load_lays_out_the_whole_weights_codes(tmp_path, monkeypatch, method, group):
+    """The loader writes each block of rows' codes straight into the panel layout (`write_rows`). Blocks of 7
+    rows (panels cut anywhere, q|k|v and gate|up parts arriving in the file's order) must give exactly the
+    codes, scales and offsets of quantizing each whole (packed) weight at once."""
+    from tiny_models import build_tiny_model
+
+    from kvforge import LLM
+    from kvforge.models import weight_stream
+    from kvforge.models.layers import PACKED_PARAMS
+    from kvforge.models.loader import load_checkpoint
+
+    build_tiny_model(str(tmp_path), "llama_d64")
+    weights = load_checkpoint(str(tmp_path)).weights
+    monkeypatch.setattr(weight_stream, "rows_per_block", lambda shape, itemsize=4: 7)
+    streamed = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=8, log_ledger=False, quantization=method,
+                   quantization_group_size=group or 32).engine.model
+    checked = 0
+    for name, m in streamed.named_modules():
+        if isinstance(m, Linear) and m.quant_weight is not None:
+            prefix, _, leaf = name.rpartition(".")
+            parts = [f"{prefix}.{p}.weight" if prefix else f"{p}.weight" for p in PACKED_PARAMS.get(leaf, (leaf,))]
+            if parts == ["lm_head.weight"] and "lm_head.weight" not in weights.source.shapes:
+                parts = ["model.embed_tokens.weight"]  # tied
+            whole = torch.cat([weights[p].float() for p in parts])
+            want = quantize(whole, quant_linear.layer_method(method, name), group)
+            got = m.quant_weight
+            assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales), name
+            assert (got.offsets is None) == (want.offsets is None)
+            assert got.offsets is None or torch.equal(got.offsets, want.offsets)
+            checked += 1
+    assert checked == 2 * 4 + 1

@@ -126,6 +126,54 @@ def _panels(n: int) -> int:
     return -(-n // NR)
 
 
+def row_bytes(codes: torch.Tensor, bits: int, act_int8: bool = False) -> torch.Tensor:
+    """Each row's bytes as the panel layout stores them: [rows, K] (int8), [rows, ceil(K/2)] (int4: low nibble
+    even k) or [rows, ceil(K/8), 4] (w4a8: byte b of k8 holds k = 8 k8 + b low, 8 k8 + 4 + b high). Rows are
+    independent, so a weight can be laid out a block of rows at a time (`write_rows`)."""
+    rows, k = codes.shape
+    if bits == 8:
+        return codes.contiguous().view(torch.uint8)
+    if act_int8:
+        k8 = -(-k // 8)
+        padded = torch.nn.functional.pad(codes, (0, k8 * 8 - k)) if k8 * 8 != k else codes
+        halves = padded.reshape(rows, k8, 2, 4)
+        return halves[:, :, 0] | (halves[:, :, 1] << 4)
+    padded = torch.nn.functional.pad(codes, (0, k % 2)) if k % 2 else codes
+    return padded[:, 0::2] | (padded[:, 1::2] << 4)
+
+
+def panel_buffer(n: int, k: int, bits: int, act_int8: bool = False) -> torch.Tensor:
+    """The zeroed panel layout of an [N, K] weight's codes: [panels, K, 16] (int8), [panels, ceil(K/2), 16]
+    (int4) or [panels, ceil(K/8), 16, 4] (w4a8) bytes; the rows past N stay zero."""
+    inner = (k,) if bits == 8 else ((-(-k // 8), NR, 4) if act_int8 else (-(-k // 2),))
+    return torch.zeros(_panels(n), *inner[:1], NR, *inner[2:], dtype=torch.uint8)
+
+
+def write_rows(panels: torch.Tensor, row0: int, rows: torch.Tensor) -> None:
+    """Put `rows` (`row_bytes` of rows row0, row0 + 1, ...) in their places in `panels`: row r is column
+    r % 16 of panel r // 16. Whole panels go in one strided copy, a partial one at either end row by row."""
+    by_row = panels.movedim(2, 1)  # [panels, 16, ...]: a view, row-major within each panel
+    r, i, total = row0, 0, len(rows)
+    while i < total:
+        p, j = divmod(r, NR)
+        if j == 0 and total - i >= NR:
+            whole = (total - i) // NR
+            by_row[p:p + whole] = rows[i:i + whole * NR].view(whole, NR, *rows.shape[1:])
+            take = whole * NR
+        else:
+            take = min(NR - j, total - i)
+            by_row[p, j:j + take] = rows[i:i + take]
+        r, i = r + take, i + take
+
+
+def scales_by_group(t: torch.Tensor, n: int, act_int8: bool = False, bits: int = 8) -> torch.Tensor:
+    """Per-row group values [N, groups] as the kernel reads them: [groups, panels x 16], zero past N; fp16
+    for w4a8 (4 bytes a group instead of 8, as GGUF stores them), else fp32."""
+    out = torch.zeros(t.shape[1], _panels(n) * NR, dtype=torch.float16 if act_int8 and bits == 4 else torch.float32)
+    out[:, :n] = t.t().to(out.dtype)
+    return out
+
+
 def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
                group: int, act_int8: bool = False) -> QuantWeight:
     """Lay out codes [N, K] (int8: int8 in [-128, 127]; int4: uint8 in [0, 15]) and their per-group scales
@@ -141,33 +189,11 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
         raise ValueError("int4 codes need an even group size and offsets")
     if scales.shape != (n, groups) or (offsets is not None and offsets.shape != (n, groups)):
         raise ValueError(f"scales must be [{n}, {groups}], got {tuple(scales.shape)}")
-    npad = _panels(n) * NR
-    if bits == 8:  # whole panels need no padded copy (a 100 MB lm_head's codes: one copy fewer at load)
-        padded = codes.contiguous() if npad == n else torch.cat([codes, codes.new_zeros(npad - n, k)])
-        packed = padded.view(torch.int8).view(-1, NR, k).transpose(1, 2).contiguous().view(torch.uint8)  # [panels, K, 16]
-    elif act_int8:  # w4a8: [panels, K8, 16, 4], byte b: k = 8 k8 + b (low nibble), 8 k8 + 4 + b (high)
-        k8 = -(-k // 8)
-        padded = torch.zeros(npad, k8 * 8, dtype=torch.uint8)
-        padded[:n, :k] = codes
-        halves = padded.view(npad, k8, 2, 4)
-        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).view(-1, NR, k8, 4).transpose(1, 2).contiguous()
-    else:
-        kp = k + k % 2
-        padded = torch.zeros(npad, kp, dtype=torch.uint8)
-        padded[:n, :k] = codes
-        pairs = padded[:, 0::2] | (padded[:, 1::2] << 4)  # [Np, K2]: low nibble even k
-        packed = pairs.view(-1, NR, kp // 2).transpose(1, 2).contiguous()  # [panels, K2, 16]
-
-    # w4a8 keeps scales and offsets in fp16 (as GGUF does): 4 bytes a group instead of 8
-    scale_dtype = torch.float16 if act_int8 and bits == 4 else torch.float32
-
-    def by_group(t: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(groups, npad, dtype=scale_dtype)
-        out[:, :n] = t.t().to(scale_dtype)
-        return out
-
-    return QuantWeight(packed, by_group(scales), by_group(offsets) if offsets is not None else None, n, k, bits, group,
-                       act_int8)
+    packed = panel_buffer(n, k, bits, act_int8)
+    write_rows(packed, 0, row_bytes(codes, bits, act_int8))
+    return QuantWeight(packed, scales_by_group(scales, n, act_int8, bits),
+                       scales_by_group(offsets, n, act_int8, bits) if offsets is not None else None,
+                       n, k, bits, group, act_int8)
 
 
 def layer_method(quantization: str, layer_name: str) -> str:

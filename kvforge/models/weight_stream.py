@@ -5,8 +5,9 @@ Why: reading the whole checkpoint as fp32 and then building the model held two f
 weights at once (4.3 GB each for a 1B model) before the codes or the bf16 copy were made. Here the model
 is built with its parameters on the meta device (no bytes), and a parameter's storage is allocated in
 its final dtype only when its first block arrives; a quantized layer never gets a dense weight, its
-rows are quantized block by block (`quant_linear.quantize_rows`: rows are independent). So the load
-peaks at the final weights plus about one block and one layer's codes.
+rows are quantized block by block (`quant_linear.quantize_rows`: rows are independent) and written
+straight to their places in the panel layout (`quant_linear.write_rows`). So the load peaks at the final
+weights plus about one block.
 
 File pages count in a process's RSS while they are mapped (safetensors' `safe_open` keeps the whole file
 mapped until it is closed: all of it ends up resident), so both readers map the file themselves and
@@ -161,12 +162,14 @@ def checkpoint_plan(model: nn.Module, names: set[str], served: set[str] = frozen
 
 @dataclass
 class _Pending:
-    """One parameter being filled: its dense storage, or (quantized layers) each part's codes."""
+    """One parameter being filled: its dense storage, or (quantized layers) its panel layout, written a block
+    of rows at a time, and each part's scales and offsets."""
 
     shape: tuple[int, ...]
     part_rows: list[int]
     dense: torch.Tensor | None = None
-    codes: list[list[Any]] = field(default_factory=list)  # per part: [codes, scales, offsets]
+    panels: torch.Tensor | None = None  # quant_linear.panel_buffer: the codes in their final places
+    scales: list[list[Any]] = field(default_factory=list)  # per part, per block: (scales, offsets, bits, group)
     left: int = 0  # rows still to come, all parts
 
 
@@ -182,7 +185,8 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
     """Give every meta parameter of `model` (built under `parameters_on_meta`, cast to `dtype`) its values
     from `source`, block by block. With `quantization` "int8" / "int4" / "w8a8_int8" / "w4a8", each quantizable `Linear`
     (`weight_quant.quantizable_layers`) gets codes instead, as `weight_quant.quantize_model` would give it."""
-    from kvforge.models.quant_linear import ACT_INT8_METHODS, layer_method, pack_codes, quantize_rows
+    from kvforge.models.quant_linear import (ACT_INT8_METHODS, QuantWeight, layer_method, panel_buffer, quantize_rows,
+                                             row_bytes, scales_by_group, write_rows)
     from kvforge.models.weight_quant import attach_with_embedding, quantizable_layers
 
     plan = checkpoint_plan(model, set(source.shapes), served)
@@ -216,9 +220,14 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
         if q is not None:
             t1 = time.perf_counter()
             times.convert += t1 - t0
-            if not pend.codes:
-                pend.codes = [[] for _ in pend.part_rows]
-            pend.codes[part].append(quantize_rows(rows, q[0], group))
+            codes, scales, offsets, bits, grp = quantize_rows(rows, q[0], group)
+            act_int8 = q[0] in ACT_INT8_METHODS
+            if pend.panels is None:  # each block's codes go straight to their panels: no second copy of the layer
+                pend.panels = panel_buffer(pend.shape[0], pend.shape[1], bits, act_int8)
+                pend.scales = [[] for _ in pend.part_rows]
+            write_rows(pend.panels, sum(pend.part_rows[:part]) + block.row0, row_bytes(codes, bits, act_int8))
+            pend.scales[part].append((scales, offsets, bits, grp))
+            del codes
             times.quantize += time.perf_counter() - t1
         else:
             if pend.dense is None:
@@ -235,15 +244,14 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
             continue
         t0 = time.perf_counter()
         if q is not None:
-            chunks = [c for part_codes in pend.codes for c in part_codes]
-            bits, grp = chunks[0][3], chunks[0][4]
-            offsets = torch.cat([c[2] for c in chunks]) if chunks[0][2] is not None else None
-            codes, scales = torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks])
-            del chunks  # the blocks' codes go before the panels are laid out: two copies of the codes at most, not four
-            pend.codes = []
-            release_freed_memory()
-            qw = pack_codes(codes, scales, offsets, bits, grp, act_int8=q[0] in ACT_INT8_METHODS)
-            del codes
+            chunks = [c for part_scales in pend.scales for c in part_scales]
+            bits, grp, act_int8 = chunks[0][2], chunks[0][3], q[0] in ACT_INT8_METHODS
+            n, k = pend.shape
+            offsets = scales_by_group(torch.cat([c[1] for c in chunks]), n, act_int8, bits) \
+                if chunks[0][1] is not None else None
+            qw = QuantWeight(pend.panels, scales_by_group(torch.cat([c[0] for c in chunks]), n, act_int8, bits), offsets,
+                             n, k, bits, grp, act_int8)
+            pend.panels, pend.scales = None, []
             attach_with_embedding(q[1], qw, q[2])
             times.quantize += time.perf_counter() - t0
         else:
