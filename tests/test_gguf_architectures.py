@@ -326,20 +326,21 @@ def test_unsupported_architecture_and_tokenizer_are_named(tmp_path):
         Tokenizer.from_gguf(GGUFReader(path))
 
 
-def test_gemma3_q5_0_runs_on_its_own_codes(tmp_path):
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+def test_gemma3_five_bit_blocks_run_on_their_own_codes(tmp_path, qtype):
     """llama.cpp's Q4_K_M files store rows that are not whole 256-weight super-blocks as Q5_0 (Gemma 3 270M's q,
-    k, gate and up). `quantization="gguf"` keeps them as int8 codes (q - 16) in groups of 32: every linear
-    layer runs on the file's own codes, and the greedy tokens equal those of the same file dequantized to
-    fp32 and run by the float kernels."""
+    k, gate and up); Q5_1 / Q5_K files are five-bit throughout. `quantization="gguf"` keeps them as int8 codes
+    in groups of 32 (Q5_1 / Q5_K with an offset per group): every linear layer runs on the file's own codes,
+    and the greedy tokens equal those of the same file dequantized to fp32 and run by the float kernels."""
     from gguf import GGMLQuantizationType
 
     from kvforge.models.linear import Linear
 
     hf = build_tiny_model(str(tmp_path), "gemma3_linear", num_hidden_layers=2, sliding_window_pattern=2)
-    path = export_model(str(tmp_path), hf.config, str(tmp_path / "q5_0.gguf"), "gemma3",
-                        quantize=GGMLQuantizationType.Q5_0)
-    assert {int(t.tensor_type) for t in GGUFReader(path).tensors if t.name.startswith("blk.") and
-            len(t.shape) == 2} == {int(GGMLQuantizationType.Q5_0)}
+    path = export_model(str(tmp_path), hf.config, str(tmp_path / f"{qtype}.gguf"), "gemma3",
+                        quantize=GGMLQuantizationType[qtype])
+    assert {t.tensor_type.name for t in GGUFReader(path).tensors if t.name.startswith("blk.") and
+            len(t.shape) == 2} == {qtype}
     opts = dict(dtype="float32", enable_prefix_caching=False, num_kv_blocks=32, log_ledger=False)
     kept, dense = LLM(model=path, quantization="gguf", **opts), LLM(model=path, **opts)
     layers = [m for n, m in kept.engine.model.named_modules() if isinstance(m, Linear) and ".layers." in n]

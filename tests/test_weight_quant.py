@@ -24,15 +24,15 @@ FORMATS = [("int8", 8, None), ("int4", 4, 32), ("int4", 4, 64), ("int4", 4, 128)
 ROWS = (1, 2, 3, 4, 5, 8, 13, 64, 1030)
 
 
-def _gguf_like(n: int, k: int, bits: int, group: int, seed: int) -> quant_linear.QuantWeight:
-    """Codes with per-group scales (and, for int4, free offsets, as Q4_K's mins give): the layouts GGUF
-    blocks convert to."""
+def _gguf_like(n: int, k: int, bits: int, group: int, seed: int, offsets: bool = False) -> quant_linear.QuantWeight:
+    """Codes with per-group scales (and, for int4 and `offsets`, free offsets, as Q4_K's / Q5_K's mins give):
+    the layouts GGUF blocks convert to."""
     g = torch.Generator().manual_seed(seed)
     groups = -(-k // group)
     scales = torch.rand(n, groups, generator=g) * 0.1 + 0.01
     if bits == 8:
         codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-        return pack_codes(codes, scales, None, 8, group)
+        return pack_codes(codes, scales, torch.randn(n, groups, generator=g) * 0.05 if offsets else None, 8, group)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     return pack_codes(codes, scales, torch.randn(n, groups, generator=g) * 0.05, 4, group)
 
@@ -66,11 +66,12 @@ def test_quantized_kernel_matches_dequantize_then_matmul(name, bits, group, n, k
         check(qw, rows, torch.bfloat16, seed=rows, bias=True)
 
 
-@pytest.mark.parametrize("bits,group", [(8, 16), (8, 32), (4, 32), (4, 16)])
-def test_grouped_codes_with_offsets_match(bits, group):
-    """The layouts GGUF's blocks become (Q6_K: int8 codes in groups of 16; Q8_0: 32; Q4_0 / Q4_K: int4 in
-    groups of 32 with offsets): same kernel, same reference."""
-    qw = _gguf_like(45, 96 + 5, bits, group, seed=bits + group)
+@pytest.mark.parametrize("bits,group,offsets", [(8, 16, False), (8, 32, False), (8, 32, True), (8, 16, True),
+                                                (4, 32, True), (4, 16, True)])
+def test_grouped_codes_with_offsets_match(bits, group, offsets):
+    """The layouts GGUF's blocks become (Q6_K: int8 codes in groups of 16; Q8_0 / Q5_0: 32; Q5_1 / Q5_K: int8
+    in groups of 32 with offsets; Q4_0 / Q4_K: int4 in groups of 32 with offsets): same kernel, same reference."""
+    qw = _gguf_like(45, 96 + 5, bits, group, seed=bits + group, offsets=offsets)
     for rows in (1, 3, 4, 6, 1030):
         check(qw, rows, torch.float32, seed=rows, bias=True)
     for rows in (9, 17, 130):  # bf16 GEMM rows: the codes as bf16, scales per group (odd K: a pad pair)
@@ -176,6 +177,8 @@ def _run_built_with(flags: str, tmp_path, expect: str) -> None:
         "        check(qw, rows, torch.float32, seed=rows)\n"
         "    check(qw, 3, torch.bfloat16, bias=True)\n"
         "check(_gguf_like(21, 70, 4, 32, 1), 7, torch.float32, bias=True)\n"
+        "check(_gguf_like(21, 70, 8, 32, 2, offsets=True), 7, torch.float32, bias=True)\n"
+        "check(_gguf_like(21, 70, 8, 32, 2, offsets=True), 40, torch.float32)\n"
         "print('ok')\n"
     )
     run_built_with(flags, tmp_path, code)
@@ -247,6 +250,12 @@ def test_quantization_option_errors():
         EngineArgs(quantization="gguf", model="/some/hf-folder")
 
 
+GGUF_TYPES = [gguf_quant.Q8_0, gguf_quant.Q6_K, gguf_quant.Q5_0, gguf_quant.Q5_1, gguf_quant.Q5_K, gguf_quant.Q4_0,
+              gguf_quant.Q4_1, gguf_quant.Q4_K]
+GGUF_TYPE_NAMES = ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K"]
+WITH_MINS = (gguf_quant.Q4_1, gguf_quant.Q4_K, gguf_quant.Q5_1, gguf_quant.Q5_K)
+
+
 def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     """Random block bytes with finite fp16 scales where each format keeps them."""
     elems, nbytes = gguf_quant.BLOCK[qtype]
@@ -255,20 +264,17 @@ def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     half = lambda: rng.uniform(0.001, 0.05, size=(len(b), 1)).astype(np.float16).view(np.uint8)  # noqa: E731
     if qtype in (gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0):
         b[:, :2] = half()
-    elif qtype == gguf_quant.Q4_1:
-        b[:, 0:2], b[:, 2:4] = half(), half()
-    elif qtype == gguf_quant.Q4_K:
+    elif qtype in WITH_MINS:  # d and the min (or dmin) first
         b[:, 0:2], b[:, 2:4] = half(), half()
     else:  # Q6_K: fp16 d last
         b[:, 208:210] = half()
     return b
 
 
-@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0, gguf_quant.Q4_1,
-                                   gguf_quant.Q4_K, gguf_quant.Q6_K], ids=["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=GGUF_TYPE_NAMES)
 def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     """Each block format converted to kernel codes (no float copy) dequantizes to what the `gguf` package
-    gives (Q8_0, Q5_0, Q4_0, Q6_K bit for bit; Q4_1 and Q4_K within one fp32 rounding: the kernel's FMA rounds
+    gives (Q8_0, Q6_K, Q5_0, Q4_0 bit for bit; those with mins within one fp32 rounding: the kernel's FMA rounds
     q x scale + min once, the package twice), and the kernel multiplies those weights."""
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -278,7 +284,7 @@ def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     codes, scales, offsets, bits, group = gguf_quant.gguf_codes(raw, qtype, n, k)
     qw = pack_codes(codes, scales, offsets, bits, group)
     got = dequantize(qw)
-    if qtype in (gguf_quant.Q4_1, gguf_quant.Q4_K):
+    if qtype in WITH_MINS:
         torch.testing.assert_close(got, want, rtol=2e-7, atol=1e-7)
     else:
         assert torch.equal(got, want)
@@ -286,8 +292,7 @@ def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     check(qw, 40, torch.float32)
 
 
-@pytest.mark.parametrize("qtype", [gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0, gguf_quant.Q4_1,
-                                   gguf_quant.Q4_K, gguf_quant.Q6_K], ids=["Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=GGUF_TYPE_NAMES)
 def test_gguf_float_load_is_the_gguf_dequantizer_bit_for_bit(qtype):
     """Loading a GGUF in float32 / bfloat16 dequantizes through `gguf_quant.dequantize` (vectorized), which
     must give the `gguf` package's floats exactly: the parity tests against transformers rest on them."""

@@ -1,4 +1,4 @@
-"""GGUF's Q8_0, Q6_K, Q5_0, Q4_0, Q4_1 and Q4_K blocks converted to the int8 / int4 kernel's codes, without a float copy.
+"""GGUF's Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1 and Q4_K blocks converted to the int8 / int4 kernel's codes, without a float copy.
 
 Why: a GGUF file's quantized tensors are already what the kernel reads, codes with a scale per small
 group along K, in another byte order. Converting the blocks (integer shuffles, one fp32 multiply per
@@ -8,6 +8,8 @@ bits dequantizing to fp32 costs, and the weights are exactly the file's:
   Q8_0: 32 int8 codes and an fp16 scale per block        -> int8 codes, groups of 32, scale d
   Q6_K: 16 groups of 16 six-bit codes, int8 sub-scales    -> int8 codes (q - 32), groups of 16, scale d x sc
   Q5_0: 32 five-bit codes (4 low bits + 1 high), fp16 d   -> int8 codes (q - 16), groups of 32, scale d
+  Q5_1: the same with an fp16 min per block              -> int8 codes q, groups of 32, w = q x d + m
+  Q5_K: 8 groups of 32 five-bit codes, 6-bit scales/mins  -> int8 codes q, groups of 32, w = q x (d sc) - dmin m
   Q4_0: 32 four-bit codes and an fp16 scale per block     -> int4 codes, groups of 32, w = q x d - 8d
   Q4_1: the same with an fp16 min per block              -> int4 codes, groups of 32, w = q x d + m
   Q4_K: 8 groups of 32 four-bit codes, 6-bit scales/mins  -> int4 codes, groups of 32, w = q x (d sc) - dmin m
@@ -24,10 +26,10 @@ import numpy as np
 import torch
 
 QK_K = 256
-# GGMLQuantizationType values (gguf.constants): Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 2, 3, 6, 8, 12, 14
-BLOCK = {Q8_0: (32, 34), Q5_0: (32, 22), Q4_0: (32, 18), Q4_1: (32, 20), Q4_K: (QK_K, 144),
-         Q6_K: (QK_K, 210)}  # (elements, bytes)
+# GGMLQuantizationType values (gguf.constants)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+BLOCK = {Q8_0: (32, 34), Q5_0: (32, 22), Q5_1: (32, 24), Q4_0: (32, 18), Q4_1: (32, 20), Q4_K: (QK_K, 144),
+         Q5_K: (QK_K, 176), Q6_K: (QK_K, 210)}  # (elements, bytes)
 KEPT_TYPES = tuple(BLOCK)
 
 Codes = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, int]
@@ -55,11 +57,35 @@ def _q5_0(b: np.ndarray, n: int, k: int) -> Codes:
     them exactly (a byte a weight where the file has 5.5 bits). llama.cpp's Q4_K_M files fall back to Q5_0
     for rows that are not whole 256-weight super-blocks (Gemma 3 270M's q, k, gate and up)."""
     d = _f16(b[:, :2]).reshape(n, k // 32)
-    qh = np.ascontiguousarray(b[:, 2:6]).view("<u4")  # bit j: element j's fifth bit
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    qs = b[:, 6:]  # byte j: element j (low nibble) and j + 16 (high)
-    q = ((np.concatenate([qs & 15, qs >> 4], axis=1) | (high << 4)).astype(np.int16) - 16).astype(np.int8)
+    qs = b[:, 6:]  # byte j: element j (low nibble) and j + 16 (high); qh bit j: element j's fifth bit
+    q = ((np.concatenate([qs & 15, qs >> 4], axis=1) | (_fifth_bits(b[:, 2:6], 32) << 4)).astype(np.int16)
+         - 16).astype(np.int8)
     return torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d), None, 8, 32
+
+
+def _fifth_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of each little-endian uint32 in `qh` (one per block), i < count, as uint8 0 / 1."""
+    return ((np.ascontiguousarray(qh).view("<u4") >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q5_1(b: np.ndarray, n: int, k: int) -> Codes:
+    d, m = _f16(b[:, :2]).reshape(n, k // 32), _f16(b[:, 2:4]).reshape(n, k // 32)
+    qs = b[:, 8:]  # as Q5_0: byte j holds element j (low nibble) and j + 16 (high); qh bit j: element j's fifth
+    q = (np.concatenate([qs & 15, qs >> 4], axis=1) | (_fifth_bits(b[:, 4:8], 32) << 4)).astype(np.int8)
+    return torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d), torch.from_numpy(m), 8, 32
+
+
+def _q5_k(b: np.ndarray, n: int, k: int) -> Codes:
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, mn = _q4_k_scales(b[:, 4:16])
+    qh = b[:, 16:48].reshape(-1, 1, 32)  # bit s of byte j: element j of sub-block s's fifth bit
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    qs = b[:, 48:].reshape(-1, 4, 1, 32)  # as Q4_K: chunk c holds sub-block 2c in its low nibbles, 2c+1 high
+    low = np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
+    q = (low | (high << 4)).astype(np.int8).reshape(n, k)
+    scales = (d * sc).reshape(n, k // 32)  # fp32 products, as the reference dequantizer rounds them
+    offsets = -(dmin * mn).reshape(n, k // 32)
+    return torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(offsets), 8, 32
 
 
 def _q4_0(b: np.ndarray, n: int, k: int) -> Codes:
@@ -105,13 +131,14 @@ def _q6_k(b: np.ndarray, n: int, k: int) -> Codes:
     return torch.from_numpy(q), torch.from_numpy((d * sc).reshape(n, k // 16)), None, 8, 16
 
 
-KEPT_CONVERTERS = {Q8_0: _q8_0, Q5_0: _q5_0, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k, Q6_K: _q6_k}
+KEPT_CONVERTERS = {Q8_0: _q8_0, Q5_0: _q5_0, Q5_1: _q5_1, Q5_K: _q5_k, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k,
+                   Q6_K: _q6_k}
 
 
 def gguf_codes(data: Any, qtype: int, n: int, k: int) -> Codes:
     """The codes, scales (and int4 offsets), bits and group size of a [N, K] GGUF tensor of `qtype`."""
     if qtype not in KEPT_CONVERTERS:
-        raise ValueError(f"GGUF type {qtype} is not kept quantized (only Q8_0, Q6_K, Q5_0, Q4_0, Q4_1, Q4_K)")
+        raise ValueError(f"GGUF type {qtype} is not kept quantized (only Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K)")
     return KEPT_CONVERTERS[qtype](_blocks(data, qtype, n, k), n, k)
 
 

@@ -185,6 +185,8 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
         raise ValueError(f"int8 activations take int8 codes per output channel or int4 codes in groups of a "
                          f"multiple of {A8_GROUP}, got bits={bits}, group={group}")
     groups = -(-k // group)
+    if act_int8 and bits == 8 and offsets is not None:
+        raise ValueError("int8 activations take int8 codes without offsets")
     if bits == 4 and (group % 2 or offsets is None):
         raise ValueError("int4 codes need an even group size and offsets")
     if scales.shape != (n, groups) or (offsets is not None and offsets.shape != (n, groups)):
