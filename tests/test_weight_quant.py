@@ -250,9 +250,9 @@ def test_quantization_option_errors():
         EngineArgs(quantization="gguf", model="/some/hf-folder")
 
 
-GGUF_TYPES = [gguf_quant.Q8_0, gguf_quant.Q6_K, gguf_quant.Q5_0, gguf_quant.Q5_1, gguf_quant.Q5_K, gguf_quant.Q4_0,
-              gguf_quant.Q4_1, gguf_quant.Q4_K]
-GGUF_TYPE_NAMES = ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q4_0", "Q4_1", "Q4_K"]
+GGUF_TYPES = [gguf_quant.Q8_0, gguf_quant.Q6_K, gguf_quant.Q5_0, gguf_quant.Q5_1, gguf_quant.Q5_K, gguf_quant.IQ4_NL,
+              gguf_quant.IQ4_XS, gguf_quant.Q4_0, gguf_quant.Q4_1, gguf_quant.Q4_K]
+GGUF_TYPE_NAMES = ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K"]
 WITH_MINS = (gguf_quant.Q4_1, gguf_quant.Q4_K, gguf_quant.Q5_1, gguf_quant.Q5_K)
 
 
@@ -262,7 +262,7 @@ def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, size=(n * k // elems, nbytes), dtype=np.uint8)
     half = lambda: rng.uniform(0.001, 0.05, size=(len(b), 1)).astype(np.float16).view(np.uint8)  # noqa: E731
-    if qtype in (gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0):
+    if qtype in (gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0, gguf_quant.IQ4_NL, gguf_quant.IQ4_XS):
         b[:, :2] = half()
     elif qtype in WITH_MINS:  # d and the min (or dmin) first
         b[:, 0:2], b[:, 2:4] = half(), half()
@@ -274,7 +274,7 @@ def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=GGUF_TYPE_NAMES)
 def test_gguf_blocks_decode_to_the_gguf_dequantizer(qtype):
     """Each block format converted to kernel codes (no float copy) dequantizes to what the `gguf` package
-    gives (Q8_0, Q6_K, Q5_0, Q4_0 bit for bit; those with mins within one fp32 rounding: the kernel's FMA rounds
+    gives (Q8_0, Q6_K, Q5_0, IQ4_NL, IQ4_XS, Q4_0 bit for bit; those with mins within one fp32 rounding: the kernel's FMA rounds
     q x scale + min once, the package twice), and the kernel multiplies those weights."""
     from gguf.quants import dequantize as gguf_dequantize
 

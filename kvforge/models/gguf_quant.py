@@ -1,4 +1,4 @@
-"""GGUF's Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1 and Q4_K blocks converted to the int8 / int4 kernel's codes, without a float copy.
+"""GGUF's Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS, Q4_0, Q4_1 and Q4_K blocks converted to the int8 / int4 kernel's codes, without a float copy.
 
 Why: a GGUF file's quantized tensors are already what the kernel reads, codes with a scale per small
 group along K, in another byte order. Converting the blocks (integer shuffles, one fp32 multiply per
@@ -10,6 +10,8 @@ bits dequantizing to fp32 costs, and the weights are exactly the file's:
   Q5_0: 32 five-bit codes (4 low bits + 1 high), fp16 d   -> int8 codes (q - 16), groups of 32, scale d
   Q5_1: the same with an fp16 min per block              -> int8 codes q, groups of 32, w = q x d + m
   Q5_K: 8 groups of 32 five-bit codes, 6-bit scales/mins  -> int8 codes q, groups of 32, w = q x (d sc) - dmin m
+  IQ4_NL: 32 four-bit indices into 16 int8 levels, fp16 d -> int8 codes (the levels), groups of 32, scale d
+  IQ4_XS: 8 groups of 32 such indices, 6-bit scales       -> int8 codes (the levels), groups of 32, scale d (ls - 32)
   Q4_0: 32 four-bit codes and an fp16 scale per block     -> int4 codes, groups of 32, w = q x d - 8d
   Q4_1: the same with an fp16 min per block              -> int4 codes, groups of 32, w = q x d + m
   Q4_K: 8 groups of 32 four-bit codes, 6-bit scales/mins  -> int4 codes, groups of 32, w = q x (d sc) - dmin m
@@ -27,9 +29,11 @@ import torch
 
 QK_K = 256
 # GGMLQuantizationType values (gguf.constants)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 12, 13, 14, 20, 23
 BLOCK = {Q8_0: (32, 34), Q5_0: (32, 22), Q5_1: (32, 24), Q4_0: (32, 18), Q4_1: (32, 20), Q4_K: (QK_K, 144),
-         Q5_K: (QK_K, 176), Q6_K: (QK_K, 210)}  # (elements, bytes)
+         Q5_K: (QK_K, 176), Q6_K: (QK_K, 210), IQ4_NL: (32, 18), IQ4_XS: (QK_K, 136)}  # (elements, bytes)
+# IQ4_NL / IQ4_XS: the int8 level each 4-bit index stands for (llama.cpp's kvalues_iq4nl)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 KEPT_TYPES = tuple(BLOCK)
 
 Codes = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, int]
@@ -88,6 +92,26 @@ def _q5_k(b: np.ndarray, n: int, k: int) -> Codes:
     return torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(offsets), 8, 32
 
 
+def _iq4_nl(b: np.ndarray, n: int, k: int) -> Codes:
+    """Why int8: a non-linear 4-bit code is one of 16 int8 levels, so its int8 code is exact (a byte a weight
+    where the file has 4.5 bits; int4's zero-point grid cannot hold the levels)."""
+    d = _f16(b[:, :2]).reshape(n, k // 32)
+    qs = b[:, 2:]  # as Q4_0: byte j holds element j (low nibble) and j + 16 (high)
+    q = IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=1)]
+    return torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d), None, 8, 32
+
+
+def _iq4_xs(b: np.ndarray, n: int, k: int) -> Codes:
+    d = _f16(b[:, 0:2])
+    high = (np.ascontiguousarray(b[:, 2:4]).view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & 3  # bits 2i, 2i+1
+    low = np.stack([b[:, 4:8] & 15, b[:, 4:8] >> 4], axis=2).reshape(-1, 8)  # sub-block i: byte i // 2, nibble i % 2
+    ls = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+    scales = (d * ls.astype(np.float32)).reshape(n, k // 32)  # fp32 products, as the reference rounds them
+    qs = b[:, 8:].reshape(-1, 8, 16)  # sub-block i: 16 bytes, elements 0-15 low nibbles, 16-31 high
+    q = IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=2)]
+    return torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales), None, 8, 32
+
+
 def _q4_0(b: np.ndarray, n: int, k: int) -> Codes:
     d = _f16(b[:, :2]).reshape(n, k // 32)
     qs = b[:, 2:]  # byte j: element j (low nibble) and j + 16 (high)
@@ -132,13 +156,13 @@ def _q6_k(b: np.ndarray, n: int, k: int) -> Codes:
 
 
 KEPT_CONVERTERS = {Q8_0: _q8_0, Q5_0: _q5_0, Q5_1: _q5_1, Q5_K: _q5_k, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k,
-                   Q6_K: _q6_k}
+                   Q6_K: _q6_k, IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs}
 
 
 def gguf_codes(data: Any, qtype: int, n: int, k: int) -> Codes:
     """The codes, scales (and int4 offsets), bits and group size of a [N, K] GGUF tensor of `qtype`."""
     if qtype not in KEPT_CONVERTERS:
-        raise ValueError(f"GGUF type {qtype} is not kept quantized (only Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q4_0, Q4_1, Q4_K)")
+        raise ValueError(f"GGUF type {qtype} is not kept quantized (only Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K)")
     return KEPT_CONVERTERS[qtype](_blocks(data, qtype, n, k), n, k)
 
 
