@@ -251,9 +251,9 @@ def test_quantization_option_errors():
 
 
 GGUF_TYPES = [gguf_quant.Q8_0, gguf_quant.Q6_K, gguf_quant.Q5_0, gguf_quant.Q5_1, gguf_quant.Q5_K, gguf_quant.IQ4_NL,
-              gguf_quant.IQ4_XS, gguf_quant.Q4_0, gguf_quant.Q4_1, gguf_quant.Q4_K]
-GGUF_TYPE_NAMES = ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K"]
-WITH_MINS = (gguf_quant.Q4_1, gguf_quant.Q4_K, gguf_quant.Q5_1, gguf_quant.Q5_K)
+              gguf_quant.IQ4_XS, gguf_quant.Q4_0, gguf_quant.Q4_1, gguf_quant.Q4_K, gguf_quant.Q3_K, gguf_quant.Q2_K]
+GGUF_TYPE_NAMES = ["Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K"]
+WITH_MINS = (gguf_quant.Q4_1, gguf_quant.Q4_K, gguf_quant.Q5_1, gguf_quant.Q5_K, gguf_quant.Q2_K)
 
 
 def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
@@ -264,10 +264,12 @@ def _random_blocks(qtype: int, n: int, k: int, seed: int) -> np.ndarray:
     half = lambda: rng.uniform(0.001, 0.05, size=(len(b), 1)).astype(np.float16).view(np.uint8)  # noqa: E731
     if qtype in (gguf_quant.Q8_0, gguf_quant.Q5_0, gguf_quant.Q4_0, gguf_quant.IQ4_NL, gguf_quant.IQ4_XS):
         b[:, :2] = half()
+    elif qtype == gguf_quant.Q2_K:  # d and dmin last
+        b[:, 80:82], b[:, 82:84] = half(), half()
     elif qtype in WITH_MINS:  # d and the min (or dmin) first
         b[:, 0:2], b[:, 2:4] = half(), half()
-    else:  # Q6_K: fp16 d last
-        b[:, 208:210] = half()
+    else:  # Q6_K, Q3_K: fp16 d last
+        b[:, nbytes - 2:] = half()
     return b
 
 

@@ -1,4 +1,4 @@
-"""GGUF's Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS, Q4_0, Q4_1 and Q4_K blocks converted to the int8 / int4 kernel's codes, without a float copy.
+"""GGUF's Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q3_K and Q2_K blocks converted to the int8 / int4 kernel's codes, without a float copy.
 
 Why: a GGUF file's quantized tensors are already what the kernel reads, codes with a scale per small
 group along K, in another byte order. Converting the blocks (integer shuffles, one fp32 multiply per
@@ -12,6 +12,8 @@ bits dequantizing to fp32 costs, and the weights are exactly the file's:
   Q5_K: 8 groups of 32 five-bit codes, 6-bit scales/mins  -> int8 codes q, groups of 32, w = q x (d sc) - dmin m
   IQ4_NL: 32 four-bit indices into 16 int8 levels, fp16 d -> int8 codes (the levels), groups of 32, scale d
   IQ4_XS: 8 groups of 32 such indices, 6-bit scales       -> int8 codes (the levels), groups of 32, scale d (ls - 32)
+  Q3_K: 16 groups of 16 three-bit codes, 6-bit scales     -> int8 codes (-4..3), groups of 16, scale d (sc - 32)
+  Q2_K: 16 groups of 16 two-bit codes, 4-bit scales/mins  -> int8 codes (0..3), groups of 16, w = q x (d sc) - dmin m
   Q4_0: 32 four-bit codes and an fp16 scale per block     -> int4 codes, groups of 32, w = q x d - 8d
   Q4_1: the same with an fp16 min per block              -> int4 codes, groups of 32, w = q x d + m
   Q4_K: 8 groups of 32 four-bit codes, 6-bit scales/mins  -> int4 codes, groups of 32, w = q x (d sc) - dmin m
@@ -29,9 +31,10 @@ import torch
 
 QK_K = 256
 # GGMLQuantizationType values (gguf.constants)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 12, 13, 14, 20, 23
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
 BLOCK = {Q8_0: (32, 34), Q5_0: (32, 22), Q5_1: (32, 24), Q4_0: (32, 18), Q4_1: (32, 20), Q4_K: (QK_K, 144),
-         Q5_K: (QK_K, 176), Q6_K: (QK_K, 210), IQ4_NL: (32, 18), IQ4_XS: (QK_K, 136)}  # (elements, bytes)
+         Q5_K: (QK_K, 176), Q6_K: (QK_K, 210), IQ4_NL: (32, 18), IQ4_XS: (QK_K, 136), Q3_K: (QK_K, 110),
+         Q2_K: (QK_K, 84)}  # (elements, bytes)
 # IQ4_NL / IQ4_XS: the int8 level each 4-bit index stands for (llama.cpp's kvalues_iq4nl)
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 KEPT_TYPES = tuple(BLOCK)
@@ -112,6 +115,28 @@ def _iq4_xs(b: np.ndarray, n: int, k: int) -> Codes:
     return torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales), None, 8, 32
 
 
+def _q3_k(b: np.ndarray, n: int, k: int) -> Codes:
+    """Why int8 (two to three times the file's bytes): the codes -4..3 are exact there, and the int8 kernel
+    runs them without a 3-bit layout of its own."""
+    hmask, qs, sc, d = b[:, :32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+    low = (sc[:, :8].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(-1, 16) & 15
+    high = (sc[:, 8:].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(-1, 16) & 3
+    scales = d * ((low | (high << 4)).astype(np.int8) - np.int8(32)).astype(np.float32)  # [blocks, 16]
+    ql = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(-1, 16, 16) & 3
+    qh = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).reshape(-1, 16, 16) & 1
+    q = ql.astype(np.int8) - ((qh ^ 1) << 2).astype(np.int8)  # a clear high bit takes 4 off
+    return torch.from_numpy(q.reshape(n, k)), torch.from_numpy(scales.reshape(n, k // 16)), None, 8, 16
+
+
+def _q2_k(b: np.ndarray, n: int, k: int) -> Codes:
+    sc, qs, d, dmin = b[:, :16], b[:, 16:80], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    scales = d * (sc & 15).astype(np.float32)  # fp32 products, as the reference rounds them
+    offsets = -(dmin * (sc >> 4).astype(np.float32))
+    q = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    return (torch.from_numpy(q.astype(np.int8).reshape(n, k)), torch.from_numpy(scales.reshape(n, k // 16)),
+            torch.from_numpy(offsets.reshape(n, k // 16)), 8, 16)
+
+
 def _q4_0(b: np.ndarray, n: int, k: int) -> Codes:
     d = _f16(b[:, :2]).reshape(n, k // 32)
     qs = b[:, 2:]  # byte j: element j (low nibble) and j + 16 (high)
@@ -156,13 +181,13 @@ def _q6_k(b: np.ndarray, n: int, k: int) -> Codes:
 
 
 KEPT_CONVERTERS = {Q8_0: _q8_0, Q5_0: _q5_0, Q5_1: _q5_1, Q5_K: _q5_k, Q4_0: _q4_0, Q4_1: _q4_1, Q4_K: _q4_k,
-                   Q6_K: _q6_k, IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs}
+                   Q6_K: _q6_k, IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs, Q3_K: _q3_k, Q2_K: _q2_k}
 
 
 def gguf_codes(data: Any, qtype: int, n: int, k: int) -> Codes:
     """The codes, scales (and int4 offsets), bits and group size of a [N, K] GGUF tensor of `qtype`."""
     if qtype not in KEPT_CONVERTERS:
-        raise ValueError(f"GGUF type {qtype} is not kept quantized (only Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K)")
+        raise ValueError(f"GGUF type {qtype} is not kept quantized (only Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, IQ4_NL, IQ4_XS, Q4_0, Q4_1, Q4_K, Q3_K, Q2_K)")
     return KEPT_CONVERTERS[qtype](_blocks(data, qtype, n, k), n, k)
 
 
