@@ -74,9 +74,9 @@ def load_tokenizer(model: str | None):  # type: ignore[no-untyped-def]
 def _gguf_tokenizer(path: str):  # type: ignore[no-untyped-def]
     """A GGUF file's tokenizer, cached as JSON in kvforge's cache dir after the first use.
 
-    Why: reading GGUF metadata walks every vocabulary entry through numpy (seconds for a
-    49k vocabulary), far more than tokenizing two prompts. The cache key is the file's path,
-    size and mtime, so a changed file is read again.
+    Why: building a tokenizer from GGUF metadata takes seconds for a large vocabulary (2.8 s for
+    Gemma 3's 262,144 tokens), far more than tokenizing two prompts. The cache key is the file's
+    path, size and mtime, so a changed file is read again.
     """
     import hashlib
     import tempfile
