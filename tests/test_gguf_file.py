@@ -30,18 +30,24 @@ def test_default_model_file_reads_as_gguf_reads_it():
 
 def _every_type(path: str) -> str:
     w = GGUFWriter(path, "llama")
-    w.add_uint8("t.u8", 200), w.add_int8("t.i8", -5), w.add_uint16("t.u16", 60000), w.add_int16("t.i16", -300)
-    w.add_uint32("t.u32", 4_000_000_000), w.add_int32("t.i32", -7), w.add_float32("t.f32", 0.1)
-    w.add_uint64("t.u64", 2 ** 60), w.add_int64("t.i64", -(2 ** 40)), w.add_float64("t.f64", 0.1)
-    w.add_bool("t.bool", True), w.add_string("t.str", "héllo ▁world")
-    w.add_array("t.strings", ["a", "", "ü", "<0x0A>"]), w.add_array("t.floats", [0.5, -1.25, 3.0])
-    w.add_array("t.ints", [1, -2, 3]), w.add_array("t.bools", [True, False])
+    scalars = {"t.u8": GGUFValueType.UINT8, "t.i8": GGUFValueType.INT8, "t.u16": GGUFValueType.UINT16,
+               "t.i16": GGUFValueType.INT16, "t.u32": GGUFValueType.UINT32, "t.i32": GGUFValueType.INT32,
+               "t.f32": GGUFValueType.FLOAT32, "t.u64": GGUFValueType.UINT64, "t.i64": GGUFValueType.INT64,
+               "t.f64": GGUFValueType.FLOAT64, "t.bool": GGUFValueType.BOOL, "t.str": GGUFValueType.STRING}
+    values = [200, -5, 60000, -300, 4_000_000_000, -7, 0.1, 2 ** 60, -(2 ** 40), 0.1, True, "héllo ▁world"]
+    for (key, vtype), value in zip(scalars.items(), values):
+        w.add_key_value(key, value, vtype)
+    for key, items in {"t.strings": ["a", "", "ü", "<0x0A>"], "t.floats": [0.5, -1.25, 3.0], "t.ints": [1, -2, 3],
+                       "t.bools": [True, False]}.items():
+        w.add_array(key, items)
     w.add_key_value("t.u8s", [1, 2, 255], GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT8)
     rng = np.random.default_rng(0)
     w.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
     w.add_tensor("f16", rng.standard_normal((7,)).astype(np.float16))
     w.add_tensor("q8", rng.integers(0, 256, (2, 34), dtype=np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
     w.close()
     return path
 

@@ -45,7 +45,6 @@ from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parall
 from kvforge.models.linear import pack_linear_weights
 from kvforge.models.registry import build_model
 from kvforge.models.weight_stream import load_into, parameters_on_meta
-from kvforge.models.weight_source import release_freed_memory
 from kvforge.progress import StageProgress
 
 
@@ -108,7 +107,6 @@ class LLMEngine:
 
                 self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
                 pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
-                release_freed_memory()  # the loader's and the packing's freed blocks, left in the heap
                 p.next()
             self._init_cache_and_scheduler(p)
 

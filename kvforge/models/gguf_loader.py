@@ -433,12 +433,14 @@ class GGUFSource(WeightSource):
             self._drop(t)
 
 
-def file_codes(path: str, num_heads: int, num_kv_heads: int) -> dict[str, Callable[[], gguf_quant.Codes]]:
+def file_codes(path: str, num_heads: int, num_kv_heads: int, reader: Any = None
+               ) -> dict[str, Callable[[], gguf_quant.Codes]]:
     """HF weight name -> a call that converts that GGUF tensor's blocks (read from the memory-mapped file
-    only when called), for every 2-D tensor of a kept type; q/k rows unpermuted as the loader does."""
+    only when called), for every 2-D tensor of a kept type; q/k rows unpermuted as the loader does. `reader`:
+    the file already opened by the loader (`GGUFSource.reader`), so its header is not parsed again."""
     from kvforge.gguf_file import GGUFFile
 
-    reader = GGUFFile(path)
+    reader = reader if reader is not None else GGUFFile(path)
     arch, spec = _arch(reader)
     out: dict[str, Callable[[], gguf_quant.Codes]] = {}
     for t in reader.tensors:

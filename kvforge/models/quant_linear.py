@@ -166,12 +166,18 @@ def write_rows(panels: torch.Tensor, row0: int, rows: torch.Tensor) -> None:
         r, i = r + take, i + take
 
 
-def scales_by_group(t: torch.Tensor, n: int, act_int8: bool = False, bits: int = 8) -> torch.Tensor:
-    """Per-row group values [N, groups] as the kernel reads them: [groups, panels x 16], zero past N; fp16
-    for w4a8 (4 bytes a group instead of 8, as GGUF stores them), else fp32."""
-    out = torch.zeros(t.shape[1], _panels(n) * NR, dtype=torch.float16 if act_int8 and bits == 4 else torch.float32)
-    out[:, :n] = t.t().to(out.dtype)
-    return out
+def from_panels(panels: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, n: int, k: int, bits: int,
+                group: int, act_int8: bool = False) -> QuantWeight:
+    """A QuantWeight of codes already in `panels` (`panel_buffer` + `write_rows`) and their per-row group
+    scales (and offsets) [N, groups], laid out as the kernel reads them: [groups, panels x 16], zero past N;
+    fp16 for w4a8 (4 bytes a group instead of 8, as GGUF stores them), else fp32."""
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(t.shape[1], _panels(n) * NR, dtype=torch.float16 if act_int8 and bits == 4 else torch.float32)
+        out[:, :n] = t.t().to(out.dtype)
+        return out
+
+    return QuantWeight(panels, by_group(scales), by_group(offsets) if offsets is not None else None, n, k, bits,
+                       group, act_int8)
 
 
 def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
@@ -193,9 +199,7 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
         raise ValueError(f"scales must be [{n}, {groups}], got {tuple(scales.shape)}")
     packed = panel_buffer(n, k, bits, act_int8)
     write_rows(packed, 0, row_bytes(codes, bits, act_int8))
-    return QuantWeight(packed, scales_by_group(scales, n, act_int8, bits),
-                       scales_by_group(offsets, n, act_int8, bits) if offsets is not None else None,
-                       n, k, bits, group, act_int8)
+    return from_panels(packed, scales, offsets, n, k, bits, group, act_int8)
 
 
 def layer_method(quantization: str, layer_name: str) -> str:

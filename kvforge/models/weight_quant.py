@@ -16,6 +16,8 @@ each layer's rows as they are read and attaches the codes with
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -84,7 +86,7 @@ def attach_with_embedding(layer: Linear, qw: QuantWeight, tied: tuple[nn.Module,
         setattr(parent, child, QuantEmbedding(qw, emb.weight.dtype))
 
 
-def attach_gguf_codes(model: nn.Module, path: str, taken: set[str] | None = None) -> int:
+def attach_gguf_codes(model: nn.Module, path: str, taken: set[str] | None = None, reader: Any = None) -> int:
     """`quantization="gguf"`: every `Linear` whose GGUF tensors (all of a packed layer's parts) are of a kept
     block type, with one bit width and group size, runs on the file's own codes (`gguf_quant`); a tied
     embedding reads them too. Other layers (F16 / F32 or other block types, mixed parts) stay as loaded
@@ -93,7 +95,7 @@ def attach_gguf_codes(model: nn.Module, path: str, taken: set[str] | None = None
     from kvforge.models.layers import PACKED_PARAMS
 
     cfg = model.config
-    found = file_codes(path, cfg.num_heads, cfg.num_kv_heads)
+    found = file_codes(path, cfg.num_heads, cfg.num_kv_heads, reader)
     done = 0
     for name, module, tied in quantizable_layers(model):
         prefix, _, leaf = name.rpartition(".")

@@ -169,7 +169,8 @@ class _Pending:
     part_rows: list[int]
     dense: torch.Tensor | None = None
     panels: torch.Tensor | None = None  # quant_linear.panel_buffer: the codes in their final places
-    scales: list[list[Any]] = field(default_factory=list)  # per part, per block: (scales, offsets, bits, group)
+    scales: list[list[Any]] = field(default_factory=list)  # per part, per block: (scales, offsets)
+    bits_group: tuple[int, int] = (0, 0)  # the codes' bit width and group size
     left: int = 0  # rows still to come, all parts
 
 
@@ -185,8 +186,8 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
     """Give every meta parameter of `model` (built under `parameters_on_meta`, cast to `dtype`) its values
     from `source`, block by block. With `quantization` "int8" / "int4" / "w8a8_int8" / "w4a8", each quantizable `Linear`
     (`weight_quant.quantizable_layers`) gets codes instead, as `weight_quant.quantize_model` would give it."""
-    from kvforge.models.quant_linear import (ACT_INT8_METHODS, QuantWeight, layer_method, panel_buffer, quantize_rows,
-                                             row_bytes, scales_by_group, write_rows)
+    from kvforge.models.quant_linear import (ACT_INT8_METHODS, from_panels, layer_method, panel_buffer, quantize_rows,
+                                             row_bytes, write_rows)
     from kvforge.models.weight_quant import attach_with_embedding, quantizable_layers
 
     plan = checkpoint_plan(model, set(source.shapes), served)
@@ -224,9 +225,9 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
             act_int8 = q[0] in ACT_INT8_METHODS
             if pend.panels is None:  # each block's codes go straight to their panels: no second copy of the layer
                 pend.panels = panel_buffer(pend.shape[0], pend.shape[1], bits, act_int8)
-                pend.scales = [[] for _ in pend.part_rows]
+                pend.scales, pend.bits_group = [[] for _ in pend.part_rows], (bits, grp)
             write_rows(pend.panels, sum(pend.part_rows[:part]) + block.row0, row_bytes(codes, bits, act_int8))
-            pend.scales[part].append((scales, offsets, bits, grp))
+            pend.scales[part].append((scales, offsets))
             del codes
             times.quantize += time.perf_counter() - t1
         else:
@@ -245,12 +246,9 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
         t0 = time.perf_counter()
         if q is not None:
             chunks = [c for part_scales in pend.scales for c in part_scales]
-            bits, grp, act_int8 = chunks[0][2], chunks[0][3], q[0] in ACT_INT8_METHODS
-            n, k = pend.shape
-            offsets = scales_by_group(torch.cat([c[1] for c in chunks]), n, act_int8, bits) \
-                if chunks[0][1] is not None else None
-            qw = QuantWeight(pend.panels, scales_by_group(torch.cat([c[0] for c in chunks]), n, act_int8, bits), offsets,
-                             n, k, bits, grp, act_int8)
+            offsets = torch.cat([c[1] for c in chunks]) if chunks[0][1] is not None else None
+            qw = from_panels(pend.panels, torch.cat([c[0] for c in chunks]), offsets, *pend.shape, *pend.bits_group,
+                             act_int8=q[0] in ACT_INT8_METHODS)
             pend.panels, pend.scales = None, []
             attach_with_embedding(q[1], qw, q[2])
             times.quantize += time.perf_counter() - t0
@@ -282,7 +280,7 @@ def load_into(model: nn.Module, source: WeightSource, dtype: torch.dtype, quanti
         raise ValueError(f"quantization='gguf' keeps a .gguf file's codes; the model was loaded from {path!r}")
     t0 = time.perf_counter()
     served: set[str] = set()
-    attach_gguf_codes(model, path, served)
+    attach_gguf_codes(model, path, served, getattr(source, "reader", None))  # GGUFSource's open file
     attached = time.perf_counter() - t0
     times = fill_model(model, source, dtype, None, group, served)
     times.quantize += attached
