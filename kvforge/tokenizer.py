@@ -228,3 +228,17 @@ def _check_messages(messages: Any) -> None:
         content = msg.get("content")
         if not (isinstance(content, (str, list)) or (content is None and msg.get("tool_calls"))):
             raise ValueError(f"messages[{i}]['content'] must be a str (or a list of parts), got {content!r:.80}")
+
+
+def bos_prefix(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer puts before any text: [<bos>] where the model expects one (Gemma's GGUF says
+    `add_bos_token`), nothing for SmolLM2.
+
+    Eval text is encoded without special tokens so that it can be cut anywhere; every window and prompt
+    then starts with this prefix, as a user's prompt does (and lm-evaluation-harness's rolling windows,
+    whose first token is predicted from <bos>). Without it Gemma reads each window as if cut from the
+    middle of a document. Only a leading <bos> counts: a post-processor that also appends <eos> to every
+    encoding must not put one at the head of the text.
+    """
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [bos] if bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos] else []

@@ -8,6 +8,7 @@ Example:
   kvforge eval weights                                    # default model, bf16 activations, every format
   kvforge eval weights --formats none,int8 --dtype float32 --contexts 512,1024
   kvforge eval weights --model gemma-3-270m-q4_k_m.gguf --formats none,gguf,int4   # the file's own codes too
+  kvforge eval weights --formats none,int4 --quantization-calibration-tokens 8192  # int4 codes fitted by GPTQ
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from kvforge.flags import flag_errors
 EVAL_FORMATS = (*WEIGHT_FORMAT_NAMES, "gguf")  # gguf: a .gguf model's own codes (`quantization="gguf"`)
 HELP = "quality cost of each weight format (perplexity and KL of int8 / int4 weights vs unquantized)"
 _FLAGS = {"dtype": "--dtype", "device": "--device", "model": "--model",
-          "quantization_group_size": "--quantization-group-size"}
+          "quantization_group_size": "--quantization-group-size",
+          "quantization_calibration_tokens": "--quantization-calibration-tokens",
+          "quantization_calibration_file": "--quantization-calibration-file"}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -42,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "gguf = a .gguf model's own codes, not in the default list)")
     p.add_argument("--quantization-group-size", type=int, default=32, choices=INT4_GROUP_SIZES,
                    help="int4: weights per scale along K")
+    p.add_argument("--quantization-calibration-tokens", type=int, default=0, metavar="N",
+                   help="int4 / w4a8 rows: codes chosen by GPTQ on N calibration tokens (0: rounded group by group)")
+    p.add_argument("--quantization-calibration-file", default=None, metavar="FILE",
+                   help="the calibration text (default: docstrings of Python's standard library)")
     p.add_argument("--contexts", type=_ints, default=(512, 1024), help="perplexity context lengths")
     p.add_argument("--windows", type=int, default=1, help="text windows scored per context length")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -64,18 +71,31 @@ def run(args: argparse.Namespace) -> int:
     with flag_errors(_FLAGS):  # every option checked before the first load
         EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
                    quantization_group_size=args.quantization_group_size)
+        if args.quantization_calibration_tokens or args.quantization_calibration_file:
+            EngineArgs(model=args.model, quantization="int4", **_calibration(args, "int4"))
 
     def make_engine(quantization: str | None) -> LLMEngine:
         with flag_errors(_FLAGS):
             return LLMEngine(EngineArgs(
                 model=args.model, dtype=args.dtype, device=args.device, quantization=quantization,
-                quantization_group_size=args.quantization_group_size, num_kv_blocks=-(-tokens // 16) + 2,
+                quantization_group_size=args.quantization_group_size, **_calibration(args, quantization),
+                num_kv_blocks=-(-tokens // 16) + 2,
                 max_num_batched_tokens=max(2048, tokens), enable_prefix_caching=False, log_ledger=False))
 
     rows = run_weight_eval(make_engine, formats, tuple(args.contexts), args.windows)
     model = args.model or "SmolLM2-135M-Instruct (default)"
+    if args.quantization_calibration_tokens:
+        model += f"; int4 / w4a8 codes by GPTQ on {args.quantization_calibration_tokens} calibration tokens"
     if args.json:
         print(json.dumps({"model": model, "dtype": args.dtype, "rows": [r.to_dict() for r in rows]}, indent=2))
     else:
         print(render_weight_table(rows, model, args.dtype))
     return 0
+
+
+def _calibration(args: argparse.Namespace, quantization: str | None) -> dict:
+    """The calibration options for the formats GPTQ fits (int4, w4a8); the other rows load without them."""
+    if quantization not in ("int4", "w4a8"):
+        return {}
+    return {"quantization_calibration_tokens": args.quantization_calibration_tokens,
+            "quantization_calibration_file": args.quantization_calibration_file}

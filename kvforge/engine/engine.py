@@ -69,7 +69,11 @@ class LLMEngine:
         # interleave, and each stage's line counts its own seconds
         stages = ["reading headers", "building model", "reading weights", "converting weights",
                   "packing linear layers", "allocating the KV pool"]
-        if opts.quantization:
+        calibrating = opts.quantization_calibration_tokens > 0  # GPTQ: the dense weights first, codes after
+        if calibrating:
+            stages.insert(4, f"fitting {opts.quantization} codes by GPTQ on "
+                             f"{opts.quantization_calibration_tokens} calibration tokens")
+        elif opts.quantization:
             stages.insert(4, "attaching the GGUF file's codes" if opts.quantization == "gguf"
                           else f"quantizing linear layers to {opts.quantization}")
         with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
@@ -98,17 +102,44 @@ class LLMEngine:
                 with parameters_on_meta():  # no bytes yet: each parameter gets its own as it is read
                     model = build_model(self.model_config).to(dtype=torch_dtype(opts.dtype))
                 p.next()
-                times = load_into(model, checkpoint.source, torch_dtype(opts.dtype), opts.quantization,
-                                  opts.quantization_group_size, checkpoint.path, self.device)
+                times = load_into(model, checkpoint.source, torch_dtype(opts.dtype),
+                                  None if calibrating else opts.quantization, opts.quantization_group_size,
+                                  checkpoint.path, self.device)
+                checkpoint_path = checkpoint.path
                 del checkpoint
                 self.model = model.to(device=self.device).eval()
-                p.split([times.read, times.convert] + ([times.quantize] if opts.quantization else []))
+                p.split([times.read, times.convert] + ([times.quantize] if opts.quantization and not calibrating else []))
+                if calibrating:
+                    self._calibrate_quantized_weights(checkpoint_path)
+                    p.next()
                 from kvforge.kv.tiers.setup import model_fingerprint
 
                 self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
                 pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
                 p.next()
             self._init_cache_and_scheduler(p)
+
+    def _calibrate_quantized_weights(self, checkpoint_path: str) -> None:
+        """`quantization_calibration_tokens`: run the calibration text through the dense model on a pool of its
+        own, fit the int4 codes (engine/weight_calibration.py; or read them from its cache, keyed by the files
+        at `checkpoint_path` and the options), then drop that pool: the serving pool is built after, for the
+        quantized weights."""
+        from kvforge.engine.weight_calibration import calibrate_quantized_weights
+
+        opts, serving = self.config.model_options, self.config
+        # the throwaway pool: no ledger printed, no KV tiers (nothing the dense weights computed is kept)
+        self.config = serving.replace(log_ledger=False, kv_offload_memory=None, kv_disk_cache=None)
+        try:
+            self._init_cache_and_scheduler()
+            self.calibration = calibrate_quantized_weights(
+                self, str(opts.quantization), opts.quantization_group_size, opts.quantization_calibration_tokens,
+                opts.quantization_calibration_file, checkpoint_path)
+            if serving.log_ledger:
+                print(f"kvforge: {self.calibration.describe()}", file=sys.stderr, flush=True)
+        finally:
+            self.close()
+            self.config = serving
+            self.kv = self.runner = self.scheduler = None  # type: ignore[assignment]
 
     def _init_cache_and_scheduler(self, progress: StageProgress | None = None) -> None:
         config, cfg = self.config, self.model_config

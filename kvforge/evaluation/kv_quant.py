@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvforge.engine.sampling_params import SamplingParams
+from kvforge.tokenizer import bos_prefix  # re-exported: the eval modules and tests take it from here
 from kvforge.evaluation.long_context import DEFAULT_PREFILL_CHUNK, depth_perplexity, kl_sum, score_window
 from kvforge.ledger import (
     DEFAULT_KV_ROTATION,
@@ -127,20 +128,6 @@ def corpus_token_ids(tokenizer, num_tokens: int) -> list[int]:
     if len(ids) < num_tokens:
         raise ValueError(f"contexts x windows need {num_tokens} tokens; the documentation text has {len(ids)}")
     return ids[:num_tokens]
-
-
-def bos_prefix(tokenizer) -> list[int]:
-    """The ids the tokenizer puts before any text: [<bos>] where the model expects one (Gemma's GGUF says
-    `add_bos_token`), nothing for SmolLM2.
-
-    Eval text is encoded without special tokens so that it can be cut anywhere; every window and prompt
-    then starts with this prefix, as a user's prompt does (and lm-evaluation-harness's rolling windows,
-    whose first token is predicted from <bos>). Without it Gemma reads each window as if cut from the
-    middle of a document. Only a leading <bos> counts: a post-processor that also appends <eos> to every
-    encoding must not put one at the head of the text.
-    """
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return [bos] if bos is not None and tokenizer.encode("", add_special_tokens=True)[:1] == [bos] else []
 
 
 def corpus_windows(tokenizer, context: int, count: int) -> list[list[int]]:

@@ -107,6 +107,7 @@ class QuantWeight:
     bits: int
     group: int
     act_int8: bool = False
+    fitted_by: str | None = None  # how the codes were chosen when not rounded group by group (e.g. "GPTQ")
 
     @property
     def nbytes(self) -> int:
@@ -115,6 +116,10 @@ class QuantWeight:
 
     @property
     def describe(self) -> str:
+        return self._format + (f" {self.fitted_by}" if self.fitted_by else "")
+
+    @property
+    def _format(self) -> str:
         if self.act_int8 and self.bits == 4:
             return f"int4 g{self.group} x int8 activations g{A8_GROUP}"
         if self.act_int8:

@@ -1,0 +1,231 @@
+"""`quantization_calibration_tokens`: int4 / w4a8 codes fitted to real activations (GPTQ) at load.
+
+Why at load, through the engine: the codes depend on what each linear layer is fed, and the engine's own
+prefill path (paged KV, its attention and kernels) is what produces that. The engine loads the dense weights
+(no streaming quantization), runs the calibration text through `prompt_logits` with a hook on every layer to
+quantize, sums each layer's x^T x, and hands it to `models/gptq.py`; the codes then replace the dense weight.
+
+Layers go in passes, in model order, so the second moments held at once stay under `HESSIAN_BUDGET_BYTES`
+(a 1B Llama's would be 5 GiB together). A pass sees the layers quantized by earlier passes, as serving will, and
+its forward stops once each of its layers has seen the prompt: nothing after it (the later layers, the logits
+over the whole vocabulary) is computed.
+
+The lm_head (int8 under int4 / w4a8, `quant_linear.layer_method`) is quantized as without calibration.
+
+The calibration text defaults to docstrings of Python's standard library (of the Python that runs the engine, so
+the codes can differ a little between Python versions): real English and code, and not the `pydoc_data.topics`
+text `kvforge eval weights` measures perplexity on. A user's own text (their domain) is
+`quantization_calibration_file`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import os
+import pickle
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvforge.models import gptq, quant_linear
+from kvforge.models.gptq import gptq_quantize
+from kvforge.models.quant_linear import QuantWeight, layer_method, pack_codes, quantize
+from kvforge.native import cache_root
+from kvforge.models.weight_quant import attach_with_embedding, quantizable_layers
+from kvforge.tokenizer import bos_prefix
+
+HESSIAN_BUDGET_BYTES = 1 << 30  # fp32 x^T x of the layers one pass calibrates
+CALIBRATION_WINDOW = 1024  # tokens per prompt (fewer when the pool or the context holds fewer)
+_DOC_MODULES = ("argparse", "asyncio", "collections", "csv", "dataclasses", "datetime", "decimal", "email",
+                "fractions", "functools", "heapq", "http.client", "itertools", "json", "logging", "os", "pathlib",
+                "random", "re", "shutil", "socket", "sqlite3", "statistics", "string", "struct", "subprocess",
+                "tempfile", "textwrap", "threading", "typing", "unittest", "urllib.request", "zipfile")
+
+
+@dataclass
+class CalibrationReport:
+    tokens: int  # calibration tokens each layer saw
+    layers: int  # layers whose codes GPTQ chose
+    passes: int  # 0: the codes were read from the cache
+    seconds: float
+    cached_from: str | None = None  # the cache file the codes were read from
+
+    def describe(self) -> str:
+        if self.cached_from is not None:
+            return f"GPTQ codes of {self.layers} layers read from {self.cached_from} in {self.seconds:.1f} s"
+        return f"GPTQ on {self.tokens} calibration tokens, {self.layers} layers in {self.passes} pass(es), {self.seconds:.1f} s"
+
+
+def default_calibration_text() -> str:
+    """Docstrings (over 200 characters) of the public classes and functions of `_DOC_MODULES`, in a fixed order."""
+    docs = []
+    with warnings.catch_warnings():  # typing's deprecated io / re aliases warn when their docstrings are read
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in _DOC_MODULES:
+            module = importlib.import_module(name)
+            for attr, obj in sorted(vars(module).items()):
+                if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                    continue
+                if getattr(obj, "__module__", "") != name:
+                    continue
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) > 200:
+                    docs.append(doc)
+    return "\n\n".join(docs)
+
+
+def calibration_windows(tokenizer: Any, num_tokens: int, window: int, text: str) -> list[list[int]]:
+    """`num_tokens` tokens of `text` cut into prompts of at most `window` tokens, each opening as a user's prompt
+    does (`bos_prefix`). Too short a text is an error: calibrating on less than asked would pass silently."""
+    bos = bos_prefix(tokenizer)
+    body = window - len(bos)
+    if body < 1:
+        raise ValueError(f"calibration prompts of {window} tokens leave no room for text")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < num_tokens:
+        raise ValueError(f"quantization_calibration_tokens={num_tokens}, but the calibration text has {len(ids)} tokens")
+    ids = ids[:num_tokens]
+    return [bos + ids[i:i + body] for i in range(0, len(ids), body)]
+
+
+def hessian_passes(layers: list[tuple[str, Any, Any]], budget: int) -> list[list[tuple[str, Any, Any]]]:
+    """`layers` in model order, cut into runs whose fp32 [K, K] second moments fit `budget` (one layer at least)."""
+    passes: list[list[tuple[str, Any, Any]]] = []
+    used = budget
+    for entry in layers:
+        k = entry[1].in_features
+        if used + 4 * k * k > budget and (not passes or passes[-1]):
+            passes.append([])
+            used = 0
+        passes[-1].append(entry)
+        used += 4 * k * k
+    return passes
+
+
+def calibrate_quantized_weights(engine: Any, method: str, group: int, num_tokens: int,
+                                text_file: str | None = None, checkpoint_path: str | None = None) -> CalibrationReport:
+    """Quantize every quantizable layer of `engine.model` (dense, unpacked) to `method` ("int4" / "w4a8"), the
+    int4 layers' codes by GPTQ on `num_tokens` calibration tokens. The pool must be idle.
+
+    With `checkpoint_path`, fitted codes are kept in `$KVFORGE_CACHE_DIR/gptq/`, keyed by everything they depend
+    on (`fitted_codes_key`): the next load of the same model with the same options reads them instead."""
+    start = time.perf_counter()
+    if text_file is None:
+        text = default_calibration_text()
+    else:
+        with open(text_file, encoding="utf-8") as f:
+            text = f.read()
+    window = min(CALIBRATION_WINDOW, engine.kv.capacity_tokens, engine.scheduler_config.max_model_len)
+    layers = quantizable_layers(engine.model)
+    fitted = [entry for entry in layers if layer_method(method, entry[0]) == method]
+    cache_file = None
+    if checkpoint_path is not None:
+        dtype = str(next(p for p in engine.model.parameters() if p.is_floating_point()).dtype)
+        key = fitted_codes_key(checkpoint_path, dtype, method, group, num_tokens, window, text)
+        cache_file = cache_root() / "gptq" / f"{key}.pt"
+        stored = read_fitted_codes(cache_file, [name for name, *_ in fitted])
+        if stored is not None:
+            for name, module, tied in fitted:
+                attach_with_embedding(module, stored[name], tied)
+            _quantize_the_rest(layers, method, group)
+            return CalibrationReport(num_tokens, len(fitted), 0, time.perf_counter() - start, str(cache_file))
+    prompts = calibration_windows(engine.tokenizer, num_tokens, window, text)
+    passes = hessian_passes(fitted, HESSIAN_BUDGET_BYTES)
+    for run in passes:
+        moments: dict[str, torch.Tensor] = {}
+        seen: set[str] = set()
+        hooks = [module.register_forward_pre_hook(_accumulator(moments, seen, name, len(run)))
+                 for name, module, _ in run]
+        try:
+            for ids in prompts:
+                seen.clear()
+                try:
+                    engine.prompt_logits(ids)
+                except _PassInputsTaken:
+                    pass
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if engine.kv.enable_caching:
+            engine.reset_prefix_cache()  # those blocks were written by weights that are about to change
+        for name, module, tied in run:
+            if name not in moments:
+                raise RuntimeError(f"the calibration prefill never reached layer {name}")
+            parts = gptq_quantize(module.weight.detach(), moments.pop(name), method, group)
+            qw = dataclasses.replace(pack_codes(*parts, act_int8=method == "w4a8"), fitted_by="GPTQ")
+            attach_with_embedding(module, qw, tied)
+    _quantize_the_rest(layers, method, group)
+    if cache_file is not None:
+        write_fitted_codes(cache_file, {name: module.quant_weight for name, module, _ in fitted})
+    return CalibrationReport(num_tokens, len(fitted), len(passes), time.perf_counter() - start)
+
+
+def _quantize_the_rest(layers: list[tuple[str, Any, Any]], method: str, group: int) -> None:
+    for name, module, tied in layers:
+        if module.quant_weight is None:  # the lm_head (int8), as `weight_quant.quantize_model` does it
+            attach_with_embedding(module, quantize(module.weight.detach(), layer_method(method, name), group), tied)
+
+
+def fitted_codes_key(checkpoint_path: str, dtype: str, method: str, group: int, num_tokens: int, window: int,
+                     text: str) -> str:
+    """A digest of what fitted codes depend on: the checkpoint's files (names, sizes, modification times), the
+    model dtype, format, group, token count, prompt length, the calibration text, and the source of the code
+    that fits and lays them out (a change there is a new key, never a stale layout)."""
+    digest = hashlib.sha256()
+    root = Path(checkpoint_path)
+    files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file())
+    for f in files:
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    digest.update(f"{dtype};{method};{group};{num_tokens};{window};".encode())
+    digest.update(hashlib.sha256(text.encode()).digest())
+    for module in (gptq, quant_linear, sys.modules[__name__]):
+        digest.update(Path(str(module.__file__)).read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def read_fitted_codes(path: Path, names: list[str]) -> dict[str, QuantWeight] | None:
+    """The codes `write_fitted_codes` kept at `path` for exactly the layers `names`, or None (absent, unreadable
+    or for other layers: then they are fitted again)."""
+    try:
+        stored = torch.load(path, weights_only=True)
+        out = {name: QuantWeight(**stored[name]) for name in names}
+    except (OSError, RuntimeError, KeyError, TypeError, EOFError, pickle.UnpicklingError):
+        return None
+    return out if len(stored) == len(names) else None
+
+
+def write_fitted_codes(path: Path, layers: dict[str, QuantWeight]) -> None:
+    """Keep the fitted layers' panels, scales and offsets (written to a temporary name, then renamed: a reader
+    never sees half a file). A cache that cannot be written is skipped: the engine still serves."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save({name: {f.name: getattr(qw, f.name) for f in dataclasses.fields(qw)} for name, qw in layers.items()}, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"kvforge: GPTQ codes not cached ({e})", file=sys.stderr)
+
+
+class _PassInputsTaken(Exception):
+    """Raised by the last hook of a pass: the rest of the forward (later layers, the logits) is not needed."""
+
+
+def _accumulator(moments: dict[str, torch.Tensor], seen: set[str], name: str, layers: int):  # type: ignore[no-untyped-def]
+    def hook(module: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+        x = inputs[0].reshape(-1, inputs[0].shape[-1]).to(torch.float32)
+        if name in moments:
+            moments[name].addmm_(x.T, x)
+        else:
+            moments[name] = x.T @ x
+        seen.add(name)
+        if len(seen) == layers:  # every layer of the pass has this prompt's inputs: stop the forward here
+            raise _PassInputsTaken
+    return hook
