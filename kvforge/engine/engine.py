@@ -70,12 +70,13 @@ class LLMEngine:
         stages = ["reading headers", "building model", "reading weights", "converting weights",
                   "packing linear layers", "allocating the KV pool"]
         calibrating = opts.quantization_calibration_tokens > 0  # GPTQ: the dense weights first, codes after
+        quantize_stage = stages.index("packing linear layers")  # quantizing comes just before packing
         if calibrating:
-            stages.insert(4, f"fitting {opts.quantization} codes by GPTQ on "
-                             f"{opts.quantization_calibration_tokens} calibration tokens")
+            stages.insert(quantize_stage, f"fitting {opts.quantization} codes by GPTQ on "
+                                          f"{opts.quantization_calibration_tokens} calibration tokens")
         elif opts.quantization:
-            stages.insert(4, "attaching the GGUF file's codes" if opts.quantization == "gguf"
-                          else f"quantizing linear layers to {opts.quantization}")
+            stages.insert(quantize_stage, "attaching the GGUF file's codes" if opts.quantization == "gguf"
+                                          else f"quantizing linear layers to {opts.quantization}")
         with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:
             checkpoint = load_checkpoint(opts.model)
             p.next()
@@ -111,6 +112,8 @@ class LLMEngine:
                 p.split([times.read, times.convert] + ([times.quantize] if opts.quantization and not calibrating else []))
                 if calibrating:
                     self._calibrate_quantized_weights(checkpoint_path)
+                    if self.calibration.cached_from is not None:
+                        p.stages[quantize_stage] = "reading the fitted codes from the cache"
                     p.next()
                 from kvforge.kv.tiers.setup import model_fingerprint
 
