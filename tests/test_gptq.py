@@ -79,6 +79,11 @@ def test_passes_keep_second_moments_under_the_budget():
     passes = hessian_passes(layers, budget=4 * 64 * 64 * 2)
     assert [[name for name, *_ in p] for p in passes] == [["l0", "l1"], ["l2"], ["l3"], ["l4"]]  # l4 alone: over
     assert [e for p in hessian_passes(layers, budget=1 << 30) for e in p] == layers
+    # a decoder layer is never split: a pass resumes at its first one
+    block = [(f"model.layers.{i}.{leaf}", SimpleNamespace(in_features=64), None)
+             for i in range(3) for leaf in ("self_attn.qkv_proj", "mlp.down_proj")]
+    assert [[n for n, *_ in p] for p in hessian_passes(block, budget=4 * 64 * 64 * 3)] == [
+        [n for n, *_ in block[i:i + 2]] for i in (0, 2, 4)]
 
 
 def test_calibration_windows_open_like_a_prompt_and_refuse_short_text():
@@ -130,7 +135,7 @@ def test_engine_fits_int4_codes_to_calibration_text(tmp_path, monkeypatch):
     plain = engine(quantization="int4")
     fitted = engine(quantization="int4", quantization_calibration_tokens=2048,
                     quantization_calibration_file=str(text))
-    assert fitted.calibration.passes > 2 and fitted.calibration.layers == 4 * 2
+    assert fitted.calibration.passes == 2 and fitted.calibration.layers == 4 * 2  # a decoder layer a pass
     layers = {n: m.quant_weight for n, m in fitted.model.named_modules() if isinstance(m, Linear) and m.quant_weight}
     assert all(qw.fitted_by == "GPTQ" and qw.bits == 4 for n, qw in layers.items() if n != "lm_head")
     assert layers["lm_head"].bits == 8 and layers["lm_head"].fitted_by is None
@@ -154,6 +159,39 @@ def test_engine_fits_int4_codes_to_calibration_text(tmp_path, monkeypatch):
                   quantization_calibration_file=str(text)).calibration.passes > 0
     with pytest.raises(ValueError, match="calibration text has"):
         engine(quantization="int4", quantization_calibration_tokens=10**6, quantization_calibration_file=str(text))
+
+
+@pytest.mark.slow
+def test_passes_resumed_at_their_first_decoder_layer_fit_the_same_codes(tmp_path, monkeypatch):
+    """A pass resumed from the kept inputs of its first decoder layer sees exactly what a forward from the
+    embedding through the already-quantized layers gives: the same codes, bit for bit."""
+    from tiny_models import build_tiny_model
+
+    from kvforge.engine import weight_calibration
+    from kvforge.engine.args import EngineArgs
+    from kvforge.engine.engine import LLMEngine
+
+    build_tiny_model(str(tmp_path), "llama_d64", num_hidden_layers=3, intermediate_size=200)
+    monkeypatch.setattr(weight_calibration, "HESSIAN_BUDGET_BYTES", 4 * 200 * 200)
+    monkeypatch.setattr(weight_calibration, "cache_root", lambda: tmp_path / "cache")
+
+    def codes():
+        e = LLMEngine(EngineArgs(model=str(tmp_path), dtype="float32", num_kv_blocks=80, log_ledger=False,
+                                 quantization="w4a8", quantization_calibration_tokens=1024))
+        assert e.calibration.passes == 3
+        return {n: m.quant_weight.codes for n, m in e.model.named_modules() if isinstance(m, Linear) and m.quant_weight}
+
+    kept = []
+    next_inputs = weight_calibration._next_inputs
+    monkeypatch.setattr(weight_calibration, "_next_inputs", lambda *a: kept.append(1) or next_inputs(*a))
+    resumed = codes()
+    assert len(kept) == 2  # passes 2 and 3 resumed at their first decoder layer
+    monkeypatch.setattr(weight_calibration, "_decoder_layers", lambda model, fitted: None)  # every pass from the start
+    monkeypatch.setattr(weight_calibration, "cache_root", lambda: tmp_path / "another-cache")  # fitted again
+    from_start = codes()
+    assert len(kept) == 2
+    assert resumed.keys() == from_start.keys()
+    assert all(torch.equal(resumed[n], from_start[n]) for n in resumed)
 
 
 def test_calibration_option_errors():

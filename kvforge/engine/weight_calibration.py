@@ -5,10 +5,12 @@ prefill path (paged KV, its attention and kernels) is what produces that. The en
 (no streaming quantization), runs the calibration text through `prompt_logits` with a hook on every layer to
 quantize, sums each layer's x^T x, and hands it to `models/gptq.py`; the codes then replace the dense weight.
 
-Layers go in passes, in model order, so the second moments held at once stay under `HESSIAN_BUDGET_BYTES`
-(a 1B Llama's would be 5 GiB together). A pass sees the layers quantized by earlier passes, as serving will, and
-its forward stops once each of its layers has seen the prompt: nothing after it (the later layers, the logits
-over the whole vocabulary) is computed.
+Layers go in passes of whole decoder layers, in model order, so the second moments held at once stay under
+`HESSIAN_BUDGET_BYTES` (a 1B Llama's would be 5 GiB together). A pass sees the layers quantized by earlier
+passes, as serving will, without running them again: after a pass is quantized, the prompts run once more up to
+the next pass's first decoder layer and its inputs are kept (a few MiB); the next pass resumes there, the layers
+before it skipped. Each forward stops once the pass's layers have seen the prompt: nothing after them (the later
+layers, the logits over the whole vocabulary) is computed. So every decoder layer runs about twice in all.
 
 The lm_head (int8 under int4 / w4a8, `quant_linear.layer_method`) is quantized as without calibration.
 
@@ -96,16 +98,24 @@ def calibration_windows(tokenizer: Any, num_tokens: int, window: int, text: str)
 
 
 def hessian_passes(layers: list[tuple[str, Any, Any]], budget: int) -> list[list[tuple[str, Any, Any]]]:
-    """`layers` in model order, cut into runs whose fp32 [K, K] second moments fit `budget` (one layer at least)."""
+    """`layers` in model order, cut into runs of whole decoder layers (so a pass can resume at its first one)
+    whose fp32 [K, K] second moments fit `budget` (one decoder layer, or one layer outside them, at least)."""
+    units: list[list[tuple[str, Any, Any]]] = []
+    for entry in layers:
+        index = _decoder_index(entry[0])
+        if units and index is not None and _decoder_index(units[-1][-1][0]) == index:
+            units[-1].append(entry)
+        else:
+            units.append([entry])
     passes: list[list[tuple[str, Any, Any]]] = []
     used = budget
-    for entry in layers:
-        k = entry[1].in_features
-        if used + 4 * k * k > budget and (not passes or passes[-1]):
+    for unit in units:
+        size = sum(4 * e[1].in_features ** 2 for e in unit)
+        if used + size > budget:
             passes.append([])
             used = 0
-        passes[-1].append(entry)
-        used += 4 * k * k
+        passes[-1].extend(unit)
+        used += size
     return passes
 
 
@@ -138,33 +148,120 @@ def calibrate_quantized_weights(engine: Any, method: str, group: int, num_tokens
             return CalibrationReport(num_tokens, len(fitted), 0, time.perf_counter() - start, str(cache_file))
     prompts = calibration_windows(engine.tokenizer, num_tokens, window, text)
     passes = hessian_passes(fitted, HESSIAN_BUDGET_BYTES)
-    for run in passes:
+    blocks = _decoder_layers(engine.model, fitted)
+    resume: _Resume | None = None  # where the prompts resume: the input of the pass's first decoder layer
+    for number, run in enumerate(passes):
         moments: dict[str, torch.Tensor] = {}
         seen: set[str] = set()
         hooks = [module.register_forward_pre_hook(_accumulator(moments, seen, name, len(run)))
                  for name, module, _ in run]
         try:
-            for ids in prompts:
-                seen.clear()
-                try:
-                    engine.prompt_logits(ids)
-                except _PassInputsTaken:
-                    pass
+            _run_prompts(engine, prompts, resume, seen.clear)
         finally:
             for hook in hooks:
                 hook.remove()
-        if engine.kv.enable_caching:
-            engine.reset_prefix_cache()  # those blocks were written by weights that are about to change
         for name, module, tied in run:
             if name not in moments:
                 raise RuntimeError(f"the calibration prefill never reached layer {name}")
             parts = gptq_quantize(module.weight.detach(), moments.pop(name), method, group)
             qw = dataclasses.replace(pack_codes(*parts, act_int8=method == "w4a8"), fitted_by="GPTQ")
             attach_with_embedding(module, qw, tied)
+        if blocks is not None and number + 1 < len(passes):
+            # the next pass resumes at its first decoder layer, fed what this pass's quantized layers give it
+            first = _decoder_index(passes[number + 1][0][0])
+            assert first is not None  # `_decoder_layers`: every fitted layer sits in a decoder layer
+            resume = _Resume(blocks, first, _next_inputs(engine, prompts, resume, blocks[first]))
     _quantize_the_rest(layers, method, group)
     if cache_file is not None:
         write_fitted_codes(cache_file, {name: module.quant_weight for name, module, _ in fitted})
     return CalibrationReport(num_tokens, len(fitted), len(passes), time.perf_counter() - start)
+
+
+@dataclass
+class _Resume:
+    """Prompts run from decoder layer `start` on, its input per prompt in `inputs`: the layers before it are
+    skipped (they return their input unchanged; nothing after them reads their KV)."""
+    blocks: Any
+    start: int
+    inputs: list[torch.Tensor]
+
+
+def _run_prompts(engine: Any, prompts: list[list[int]], resume: _Resume | None, before_each: Any = None) -> None:
+    """Each prompt through `engine.prompt_logits`, resumed at `resume` when given, until a hook stops it
+    (`_PassInputsTaken`) or it ends."""
+    current = [0]
+    undo: list[Any] = []
+    if resume is not None:
+        def feed(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = resume.inputs[current[0]]
+            if x.shape != args[0].shape:
+                raise RuntimeError(f"calibration prompt {current[0]}: kept input {tuple(x.shape)}, "
+                                   f"the model passed {tuple(args[0].shape)}")
+            return (x, *args[1:])
+        for block in resume.blocks[:resume.start]:
+            block.forward = _passthrough
+        undo.append(resume.blocks[resume.start].register_forward_pre_hook(feed))
+    try:
+        for j, ids in enumerate(prompts):
+            current[0] = j
+            if before_each is not None:
+                before_each()
+            try:
+                engine.prompt_logits(ids)
+            except _PassInputsTaken:
+                pass
+    finally:
+        for hook in undo:
+            hook.remove()
+        if resume is not None:
+            for block in resume.blocks[:resume.start]:
+                del block.forward  # the class's forward again
+        if engine.kv.enable_caching:
+            engine.reset_prefix_cache()  # those blocks hold skipped layers, or weights that are about to change
+
+
+def _next_inputs(engine: Any, prompts: list[list[int]], resume: _Resume | None, block: Any) -> list[torch.Tensor]:
+    """Each prompt's input to decoder layer `block`, with the layers before it as they are now (quantized)."""
+    kept: list[torch.Tensor] = []
+
+    def take(module: Any, args: tuple[Any, ...]) -> None:
+        kept.append(args[0].detach().clone())
+        raise _PassInputsTaken
+
+    hook = block.register_forward_pre_hook(take)
+    try:
+        _run_prompts(engine, prompts, resume)
+    finally:
+        hook.remove()
+    if len(kept) != len(prompts):
+        raise RuntimeError("the calibration prefill did not reach every decoder layer")
+    return kept
+
+
+def _passthrough(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return x
+
+
+_LAYER_PREFIX = "model.layers."
+
+
+def _decoder_index(name: str) -> int | None:
+    """`model.layers.7.mlp.down_proj` -> 7; None outside the decoder layers."""
+    if not name.startswith(_LAYER_PREFIX):
+        return None
+    head = name[len(_LAYER_PREFIX):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _decoder_layers(model: Any, fitted: list[tuple[str, Any, Any]]) -> Any:
+    """`model.model.layers` when every fitted layer sits in one of them (each is called `x = layer(x, ...)`, so
+    a pass can resume at its first one), else None: then every pass runs the prompts from the start."""
+    blocks = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        return None
+    if any(_decoder_index(name) is None or _decoder_index(name) >= len(blocks) for name, *_ in fitted):
+        return None
+    return blocks
 
 
 def _quantize_the_rest(layers: list[tuple[str, Any, Any]], method: str, group: int) -> None:
