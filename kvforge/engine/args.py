@@ -53,7 +53,7 @@ class ModelOptions:
         choices=WEIGHT_QUANTIZATIONS)
     quantization_group_size: int = option(32, "int4 / w4a8: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
     quantization_calibration_tokens: int = option(
-        0, "int4 / w4a8: choose the codes by GPTQ on this many tokens of calibration text (e.g. 8192): lower "
+        0, "int4 / w4a8: choose the codes by GPTQ on this many tokens of calibration text (e.g. 8192-16384): lower "
         "perplexity, same layout and speed; the load holds the dense weights and takes longer. 0 = each group "
         "rounded on its own", metavar="N")
     quantization_calibration_file: str | None = option(
