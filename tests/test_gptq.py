@@ -194,6 +194,32 @@ def test_passes_resumed_at_their_first_decoder_layer_fit_the_same_codes(tmp_path
     assert all(torch.equal(resumed[n], from_start[n]) for n in resumed)
 
 
+@pytest.mark.parametrize("family,tokens,overrides", [
+    ("gemma3", 300, {}), ("deepseek_v2", 300, {}), ("qwen3_moe", 300, {}),
+    ("qwen3_moe", 2, {"num_experts": 8}),  # 2 tokens x top-2 of 8 experts: some expert gets none
+])
+def test_calibration_on_other_architectures(tmp_path, monkeypatch, family, tokens, overrides):
+    """Sliding-window (Gemma 3), MoE (an expert no calibration token reached keeps the search's codes) and MLA
+    (its absorbed projection stays dense) models fit their codes and serve."""
+    from tiny_models import build_tiny_model
+
+    from kvforge import LLM, SamplingParams
+    from kvforge.engine import weight_calibration
+
+    monkeypatch.setattr(weight_calibration, "cache_root", lambda: tmp_path / "cache")
+    build_tiny_model(str(tmp_path / "m"), family, **overrides)
+    llm = LLM(model=str(tmp_path / "m"), dtype="float32", quantization="int4", quantization_calibration_tokens=tokens,
+              num_kv_blocks=64, log_ledger=False)
+    report = llm.engine.calibration
+    assert (report.unseen > 0) == (tokens == 2)
+    fitted = [m.quant_weight for m in llm.engine.model.modules() if isinstance(m, Linear) and m.quant_weight is not None
+              and m.quant_weight.bits == 4]
+    assert report.layers > 0 and report.layers + report.unseen == len(fitted)
+    assert sum(qw.fitted_by == "GPTQ" for qw in fitted) == report.layers
+    out = llm.generate(["hello there"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
 def test_calibration_option_errors():
     from kvforge.engine.args import EngineArgs
 

@@ -58,11 +58,15 @@ class CalibrationReport:
     passes: int  # 0: the codes were read from the cache
     seconds: float
     cached_from: str | None = None  # the cache file the codes were read from
+    unseen: int = 0  # layers the calibration text never reached (MoE experts no token went to): the search's codes
 
     def describe(self) -> str:
         if self.cached_from is not None:
             return f"GPTQ codes of {self.layers} layers read from {self.cached_from} in {self.seconds:.1f} s"
-        return f"GPTQ on {self.tokens} calibration tokens, {self.layers} layers in {self.passes} pass(es), {self.seconds:.1f} s"
+        text = f"GPTQ on {self.tokens} calibration tokens, {self.layers} layers in {self.passes} pass(es), {self.seconds:.1f} s"
+        if self.unseen:
+            text += f"; {self.unseen} layers no calibration token reached kept the per-group search's codes"
+        return text
 
 
 def default_calibration_text() -> str:
@@ -150,6 +154,7 @@ def calibrate_quantized_weights(engine: Any, method: str, group: int, num_tokens
     passes = hessian_passes(fitted, HESSIAN_BUDGET_BYTES)
     blocks = _decoder_layers(engine.model, fitted)
     resume: _Resume | None = None  # where the prompts resume: the input of the pass's first decoder layer
+    unseen: list[str] = []
     for number, run in enumerate(passes):
         moments: dict[str, torch.Tensor] = {}
         seen: set[str] = set()
@@ -161,8 +166,9 @@ def calibrate_quantized_weights(engine: Any, method: str, group: int, num_tokens
             for hook in hooks:
                 hook.remove()
         for name, module, tied in run:
-            if name not in moments:
-                raise RuntimeError(f"the calibration prefill never reached layer {name}")
+            if name not in moments:  # e.g. an expert no calibration token was routed to: the search's codes
+                unseen.append(name)
+                continue
             parts = gptq_quantize(module.weight.detach(), moments.pop(name), method, group)
             qw = dataclasses.replace(pack_codes(*parts, act_int8=method == "w4a8"), fitted_by="GPTQ")
             attach_with_embedding(module, qw, tied)
@@ -171,10 +177,14 @@ def calibrate_quantized_weights(engine: Any, method: str, group: int, num_tokens
             first = _decoder_index(passes[number + 1][0][0])
             assert first is not None  # `_decoder_layers`: every fitted layer sits in a decoder layer
             resume = _Resume(blocks, first, _next_inputs(engine, prompts, resume, blocks[first]))
+    if len(unseen) == len(fitted):
+        raise RuntimeError("the calibration prefill reached none of the layers to quantize (does this model call "
+                           "its linear layers some other way?)")
     _quantize_the_rest(layers, method, group)
     if cache_file is not None:
         write_fitted_codes(cache_file, {name: module.quant_weight for name, module, _ in fitted})
-    return CalibrationReport(num_tokens, len(fitted), len(passes), time.perf_counter() - start)
+    return CalibrationReport(num_tokens, len(fitted) - len(unseen), len(passes), time.perf_counter() - start,
+                             unseen=len(unseen))
 
 
 @dataclass
