@@ -220,6 +220,42 @@ def test_calibration_on_other_architectures(tmp_path, monkeypatch, family, token
     assert len(out[0].outputs[0].token_ids) == 6
 
 
+def test_eval_weights_scores_fitted_codes(tmp_path, monkeypatch, capsys):
+    """`kvforge eval weights --quantization-calibration-tokens`: the int4 row's codes are GPTQ's (its table says
+    so); the flag with no int4 / w4a8 row is refused rather than ignored."""
+    import json
+
+    from tiny_models import build_tiny_model
+
+    from kvforge.cli import main
+    from kvforge.engine import weight_calibration
+
+    monkeypatch.setattr(weight_calibration, "cache_root", lambda: tmp_path / "cache")
+    build_tiny_model(str(tmp_path / "m"), "llama_d64")
+    args = ["eval", "weights", "--model", str(tmp_path / "m"), "--dtype", "float32", "--contexts", "48", "--json"]
+    assert main(args + ["--formats", "none,int4", "--quantization-calibration-tokens", "200"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "GPTQ on 200 calibration tokens" in out["model"] and [r["format"] for r in out["rows"]] == ["none", "int4"]
+    assert list((tmp_path / "cache" / "gptq").glob("*.pt"))  # the int4 row was fitted
+    assert main(args + ["--formats", "none,int8", "--quantization-calibration-tokens", "200"]) == 2
+    assert "--formats has neither" in capsys.readouterr().err
+    assert main(args + ["--formats", "none,int4", "--quantization-calibration-file", __file__]) == 2
+
+
+def test_a_cache_file_for_other_shapes_or_damaged_is_not_used(tmp_path):
+    from kvforge.engine.weight_calibration import read_fitted_codes, write_fitted_codes
+    from kvforge.models.quant_linear import quantize
+
+    qw = quantize(torch.randn(32, 64), "int4", 32)
+    path = tmp_path / "codes.pt"
+    write_fitted_codes(path, {"a": qw})
+    assert torch.equal(read_fitted_codes(path, {"a": (32, 64)})["a"].codes, qw.codes)
+    assert read_fitted_codes(path, {"a": (32, 96)}) is None  # another layer shape
+    assert read_fitted_codes(path, {"a": (32, 64), "b": (8, 64)}) is None  # other layers
+    path.write_bytes(path.read_bytes()[:100])  # cut short
+    assert read_fitted_codes(path, {"a": (32, 64)}) is None
+
+
 def test_calibration_option_errors():
     from kvforge.engine.args import EngineArgs
 

@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--formats takes {', '.join(EVAL_FORMATS)}, got {args.formats!r}")
     if "gguf" in formats and args.model is not None and not str(args.model).endswith(".gguf"):
         raise ValueError(f"--formats gguf keeps a .gguf file's own codes; --model {args.model!r} is not a .gguf file")
+    if args.quantization_calibration_tokens and not {"int4", "w4a8"} & set(formats):
+        raise ValueError("--quantization-calibration-tokens fits int4 / w4a8 codes; --formats has neither")
     if args.windows < 1:
         raise ValueError("--windows must be >= 1")
     tokens = max(args.contexts)

@@ -26,7 +26,6 @@ import hashlib
 import importlib
 import inspect
 import os
-import pickle
 import sys
 import time
 import warnings
@@ -144,7 +143,7 @@ def calibrate_quantized_weights(engine: Any, method: str, group: int, num_tokens
         dtype = str(next(p for p in engine.model.parameters() if p.is_floating_point()).dtype)
         key = fitted_codes_key(checkpoint_path, dtype, method, group, num_tokens, window, text)
         cache_file = cache_root() / "gptq" / f"{key}.pt"
-        stored = read_fitted_codes(cache_file, [name for name, *_ in fitted])
+        stored = read_fitted_codes(cache_file, {name: tuple(m.weight.shape) for name, m, _ in fitted})
         if stored is not None:
             for name, module, tied in fitted:
                 attach_with_embedding(module, stored[name], tied)
@@ -298,15 +297,17 @@ def fitted_codes_key(checkpoint_path: str, dtype: str, method: str, group: int, 
     return digest.hexdigest()[:32]
 
 
-def read_fitted_codes(path: Path, names: list[str]) -> dict[str, QuantWeight] | None:
-    """The codes `write_fitted_codes` kept at `path` for exactly the layers `names`, or None (absent, unreadable
-    or for other layers: then they are fitted again)."""
+def read_fitted_codes(path: Path, layers: dict[str, tuple[int, int]]) -> dict[str, QuantWeight] | None:
+    """The codes `write_fitted_codes` kept at `path` for exactly `layers` (name -> (N, K)), or None: absent,
+    unreadable, or for other layers or shapes. Then they are fitted again: the cache never decides what runs."""
     try:
         stored = torch.load(path, weights_only=True)
-        out = {name: QuantWeight(**stored[name]) for name in names}
-    except (OSError, RuntimeError, KeyError, TypeError, EOFError, pickle.UnpicklingError):
+        out = {name: QuantWeight(**stored[name]) for name in layers}
+    except Exception:  # noqa: BLE001 (a damaged file can fail in any of torch.load's layers; it is only a cache)
         return None
-    return out if len(stored) == len(names) else None
+    if len(stored) != len(layers) or any((qw.n, qw.k) != layers[name] for name, qw in out.items()):
+        return None
+    return out
 
 
 def write_fitted_codes(path: Path, layers: dict[str, QuantWeight]) -> None:
