@@ -30,6 +30,7 @@
 #include "kvf_amx.h"
 #include "kvf_bf16.h"
 #include "kvf_omp.h"
+#include "kvf_steal.h" /* panel groups handed out from both ends */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define KVF_SIMD 1
@@ -147,11 +148,6 @@ static inline __attribute__((always_inline)) void prefetch_share(const char *pf,
 static inline int64_t prefetch_steps(int64_t npf, int64_t K2, int64_t *per_k) {
     *per_k = (npf + K2 - 1) / K2;
     return KVF_GEMM_PREFETCH && *per_k ? (npf + *per_k - 1) / *per_k : 0;
-}
-
-/* Panels in the group after the one at p, within this thread's [.., p1): what its tiles prefetch. */
-static inline int64_t next_group_panels(int64_t p, int64_t p1) {
-    return p + GP < p1 ? (p1 - p - GP < GP ? p1 - p - GP : GP) : 0;
 }
 
 /* A tile's accumulators (+ bias) rounded to bf16 and stored, 16 columns at a time (the first N - n0). */
@@ -512,6 +508,11 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     if (mode == 2 && !amx) mode = kvf_panel_bf16_fma_faster(); /* AMX cannot take this call: the faster vector tile */
     if (mode == 1) xf = widen_rows(xp, M, K2);
 #endif
+    /* the vector tiles' panel groups, handed out from both ends (kvf_steal.h); NULL: the even split */
+    kvf_range *ranges = NULL;
+#if KVF_SIMD
+    ranges = kvf_ranges_new((P + GP - 1) / GP, nthreads);
+#endif
 #pragma omp parallel num_threads(nthreads)
     {
         KVF_TEAM(tid, nth);
@@ -526,11 +527,14 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
 #if KVF_SIMD
         if (M >= BF16_GEMM_MIN && p1 > p0) { /* GEMM tiles (every row count by default, see BF16_GEMM_MIN) */
             const int64_t tiles = (M + GM - 1) / GM;
-            for (int64_t p = p0; p < p1; p += GP) {
-                const int np = (int)(p1 - p < GP ? p1 - p : GP);
+            kvf_walk walk = kvf_walk_start(ranges, nthreads, (int)nth, (int)tid, 1, (P + GP - 1) / GP);
+            int64_t g, gnext = 0;
+            while (kvf_walk_next(&walk, &g)) {
+                const int64_t p = g * GP;
+                const int np = (int)(P - p < GP ? P - p : GP);
                 /* the next panel group's lines, shared out among this group's row tiles (see KVF_GEMM_PREFETCH) */
-                const int64_t next = next_group_panels(p, p1);
-                const char *pf = (const char *)(wp + (p + GP) * panel_elems);
+                const int64_t next = kvf_walk_peek(&walk, &gnext) ? (P - gnext * GP < GP ? P - gnext * GP : GP) : 0;
+                const char *pf = (const char *)(wp + gnext * GP * panel_elems);
                 const int64_t lines = next * panel_elems * (int64_t)sizeof(uint16_t) / 64;
                 for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
                     const int mr = (int)(M - i < GM ? M - i : GM);
@@ -561,6 +565,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
 #if KVF_AMX
     free(tail);
 #endif
+    free(ranges);
     free(xf);
     free(xpad);
 }
@@ -600,11 +605,12 @@ int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, cons
     if (nthreads < 1) nthreads = 1;
     if (nthreads > Pg) nthreads = (int)Pg;
     int failed = 0;
+    /* groups of GP gate panels (each with its up panels), handed out from both ends (kvf_steal.h) */
+    const int64_t groups = (Pg + GP - 1) / GP;
+    kvf_range *ranges = kvf_ranges_new(groups, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         KVF_TEAM(tid, nth);
-        /* this thread's gate panels [p0, p1) and their up panels [Pg + p0, Pg + p1) */
-        const int64_t p0 = Pg * tid / nth, p1 = Pg * (tid + 1) / nth;
         const int64_t tiles = (M + GM - 1) / GM;
         float acc[GM * GP * NR] __attribute__((aligned(64)));
         /* every row's gate columns of the group, rounded to bf16: the up pass reads them back */
@@ -613,14 +619,17 @@ int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, cons
 #pragma omp atomic write
             failed = 1;
         }
-        for (int64_t p = p0; p < p1 && gate; p += GP) {
-            const int np = (int)(p1 - p < GP ? p1 - p : GP);
+        kvf_walk walk = kvf_walk_start(ranges, nthreads, (int)nth, (int)tid, 1, groups);
+        int64_t g, gnext = 0;
+        while (gate && kvf_walk_next(&walk, &g)) {
+            const int64_t p = g * GP;
+            const int np = (int)(Pg - p < GP ? Pg - p : GP);
             const int64_t lines = np * panel_elems * (int64_t)sizeof(uint16_t) / 64;
-            const int64_t next = next_group_panels(p, p1);
+            const int64_t next = kvf_walk_peek(&walk, &gnext) ? (Pg - gnext * GP < GP ? Pg - gnext * GP : GP) : 0;
             const int64_t next_lines = next * panel_elems * (int64_t)sizeof(uint16_t) / 64;
             /* the gate pass prefetches this group's up panels; the up pass the next group's gate panels */
             const char *pf_up = (const char *)(wp + (Pg + p) * panel_elems);
-            const char *pf_gate = (const char *)(wp + (p + GP) * panel_elems);
+            const char *pf_gate = (const char *)(wp + gnext * GP * panel_elems);
             for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
                 const int mr = (int)(M - i < GM ? M - i : GM);
                 const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
@@ -644,6 +653,7 @@ int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, cons
         }
         free(gate);
     }
+    free(ranges);
     free(xf);
     return !failed;
 #else

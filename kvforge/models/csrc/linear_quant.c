@@ -36,6 +36,7 @@
 #include <string.h>
 
 #include "kvf_omp.h"  /* OpenMP, KVF_TEAM */
+#include "kvf_steal.h" /* panel ranges finished from both ends */
 #include "kvf_bf16.h" /* bf16_to_f32, f32_to_bf16: the one rounding every kernel shares */
 
 #define NR 16
@@ -137,10 +138,6 @@ INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
 #define QNEXT_ROWS 4
 #endif
 
-/* Panels of the thread's next tile (its range ends at p1, tiles of `per`) after the tile of np panels at p. */
-INLINE int next_tile_panels(int64_t p, int np, int64_t p1, int per) {
-    return (int)(p1 - p - np < per ? p1 - p - np : per);
-}
 #define DR 4 /* decode tile: up to 4 rows x up to 4 panels (2 panels from 3 rows) */
 #define DP 4
 #ifndef DECODE_ROWS
@@ -266,14 +263,14 @@ INLINE void add_group(dtile tot, dtile acc, dtile odd, const qweight *w, int64_t
  * `xsum`, for int4): sum_k x_k (u_k s + o) = s sum_k x_k u_k + o sum_k x_k. One multiply per group and
  * column instead of one per weight; the same weights as code x scale (+ offset), summed in another order. */
 INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const qweight *w, int64_t p, int mr, int np,
-                        const int bits, const float *xsum, int64_t ngroups, int nnext, float *tile) {
+                        const int bits, const float *xsum, int64_t ngroups, int64_t pnext, int nnext, float *tile) {
 #if KVF_U4_BF16
     const __m512i table = _mm512_loadu_si512((const void *)U4_BF16);
 #endif
     dtile tot, acc, odd;
     zero_tile(tot);
     const int64_t K = w->K, G = w->group;
-    const uint8_t *base = w->codes + p * w->pstride, *next = base + np * w->pstride; /* next: nnext panels */
+    const uint8_t *base = w->codes + p * w->pstride, *next = w->codes + pnext * w->pstride; /* next: nnext panels from pnext */
     for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) {
         const int64_t k1 = k0 + G < K ? k0 + G : K;
         zero_tile(acc), zero_tile(odd);
@@ -329,14 +326,14 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
 /* One specialised copy per (rows, panels, bits): up to 2 rows x 4 panels or 4 rows x 2 panels, so the
  * totals and both accumulator sets stay in registers. */
 static void decode_block(const float *xf, const uint16_t *xb, int64_t ldx, const qweight *w, int64_t p, int mr,
-                         int np, const float *xsum, int64_t ngroups, int nnext, float *tile) {
+                         int np, const float *xsum, int64_t ngroups, int64_t pnext, int nnext, float *tile) {
 #define KVF_DCASE(R, P)                                                                                \
     case (R) * 8 + (P):                                                                                \
         if (w->bits == 8 && w->offsets)                                                                \
-            decode_tile(xf, NULL, ldx, w, p, R, P, INT8_OFFSETS, xsum, ngroups, nnext, tile);          \
-        else if (w->bits == 8) decode_tile(xf, NULL, ldx, w, p, R, P, 8, xsum, ngroups, nnext, tile);  \
-        else if (xb) decode_tile(xf, xb, ldx, w, p, R, P, 4, xsum, ngroups, nnext, tile);              \
-        else decode_tile(xf, NULL, ldx, w, p, R, P, 4, xsum, ngroups, nnext, tile);                    \
+            decode_tile(xf, NULL, ldx, w, p, R, P, INT8_OFFSETS, xsum, ngroups, pnext, nnext, tile);          \
+        else if (w->bits == 8) decode_tile(xf, NULL, ldx, w, p, R, P, 8, xsum, ngroups, pnext, nnext, tile);  \
+        else if (xb) decode_tile(xf, xb, ldx, w, p, R, P, 4, xsum, ngroups, pnext, nnext, tile);              \
+        else decode_tile(xf, NULL, ldx, w, p, R, P, 4, xsum, ngroups, pnext, nnext, tile);                    \
         break;
     switch (mr * 8 + np) {
         KVF_DCASE(1, 1) KVF_DCASE(1, 2) KVF_DCASE(1, 3) KVF_DCASE(1, 4)
@@ -569,6 +566,8 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     if (nthreads > P) nthreads = (int)P;
     const size_t ysz = x_bf16 ? 2 : 4;
     int failed = 0;
+    /* decode rows: panels handed out from both ends (kvf_steal.h); NULL: the even split */
+    kvf_range *ranges = M <= DECODE_ROWS ? kvf_ranges_new(P, nthreads) : NULL;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         KVF_TEAM(tid, nth);
@@ -576,13 +575,14 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
         float tile[TILE_FLOATS];
         if (M <= DECODE_ROWS) {
             const int rows = (int)(M < DR ? M : DR), dp = rows <= 2 ? DP : 2;
-            for (int64_t p = p0; p < p1; p += dp) {
-                const int np = (int)(p1 - p < dp ? p1 - p : dp);
-                const int nnext = bits == 8 && M <= QNEXT_ROWS ? next_tile_panels(p, np, p1, dp) : 0;
+            kvf_walk walk = kvf_walk_start(ranges, nthreads, (int)nth, (int)tid, dp, P);
+            int64_t p, pnext = 0;
+            for (int np; (np = kvf_walk_next(&walk, &p)) > 0;) {
+                const int nnext = bits == 8 && M <= QNEXT_ROWS ? kvf_walk_peek(&walk, &pnext) : 0;
                 for (int64_t i = 0; i < M; i += rows) {
                     const int mr = (int)(M - i < rows ? M - i : rows);
                     decode_block(xf + i * Kp, xb ? xb + i * Kp : NULL, Kp, &w, p, mr, np, xsum ? xsum + i * ngroups : NULL,
-                                 ngroups, nnext, tile);
+                                 ngroups, pnext, nnext, tile);
                     write_rows(tile, mr, np, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, p * NR, bias);
                 }
             }
@@ -630,6 +630,7 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
             }
         }
     }
+    free(ranges);
     free(xbpad);
     free(xsum);
     free(xpad);
@@ -743,7 +744,7 @@ static void quantize_rows_a8(const void *x, int x_bf16, int64_t r0, int64_t r1, 
 
 /* `mr` rows of q (row stride K4 x 4 bytes) against panels p..p+np-1: out[r][c][16] = sum_g float(d_g) x s_rg. */
 INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const float *s, const int32_t *start,
-                    const qweight *w, int64_t p, int mr, int np, int nnext, float *out) {
+                    const qweight *w, int64_t p, int mr, int np, int64_t pnext, int nnext, float *out) {
 #if KVF_A8_VNNI
     /* byte 4c + j of the result is byte 16j + c of the 64 loaded: k = 4k4 + j of column c */
     const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
@@ -757,7 +758,7 @@ INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const flo
 #pragma GCC unroll 8
         for (int c = 0; c < np; c++) tot[r][c] = _mm512_setzero_ps();
     const int64_t full = K / 4;
-    const uint8_t *base = w->codes + p * w->pstride, *next = base + np * w->pstride; /* next: nnext panels */
+    const uint8_t *base = w->codes + p * w->pstride, *next = w->codes + pnext * w->pstride; /* next: nnext panels from pnext */
     __m512i acc[A8M][A8PMAX];
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) {
@@ -813,14 +814,14 @@ INLINE void a8_tile(const int8_t *q, int64_t K4, int64_t K, int64_t G, const flo
                 out[(r * np + c) * NR + j] = tot;
             }
         }
-    (void)K4, (void)nnext;
+    (void)K4, (void)pnext, (void)nnext;
 #endif
 }
 
 static void a8_block(const int8_t *q, int64_t K4, int64_t K, int64_t G, const float *s, const int32_t *start,
-                     const qweight *w, int64_t p, int mr, int np, int nnext, float *out) {
+                     const qweight *w, int64_t p, int mr, int np, int64_t pnext, int nnext, float *out) {
 #define KVF_ACASE(R, P) \
-    case (R) * 8 + (P): a8_tile(q, K4, K, G, s, start, w, p, R, P, nnext, out); break;
+    case (R) * 8 + (P): a8_tile(q, K4, K, G, s, start, w, p, R, P, pnext, nnext, out); break;
 #define KVF_AROW(R) KVF_ACASE(R, 1) KVF_ACASE(R, 2) KVF_ACASE(R, 3)
     switch (mr * 8 + np) {
         KVF_AROW(1) KVF_AROW(2) KVF_AROW(3) KVF_AROW(4)
@@ -865,20 +866,21 @@ int kvf_qlinear_a8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
     int32_t *start = a.start;
     nthreads = nthreads < 1 ? 1 : (nthreads > P ? (int)P : nthreads);
     const size_t ysz = x_bf16 ? 2 : 4;
+    kvf_range *ranges = kvf_ranges_new(P, nthreads); /* panels from both ends (kvf_steal.h); NULL: even split */
 #pragma omp parallel num_threads(nthreads)
     {
         KVF_TEAM(tid, nth);
         quantize_rows_a8(x, x_bf16, M * tid / nth, M * (tid + 1) / nth, K, K4, G, q, s, start);
 #pragma omp barrier
-        const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
         const int rows = M <= A8M ? (int)M : A8M, per = M == 1 ? A8P1 : A8P;
         float tile[A8M * A8PMAX * NR];
-        for (int64_t p = p0; p < p1; p += per) {
-            const int np = (int)(p1 - p < per ? p1 - p : per);
-            const int nnext = M <= A8NEXT_ROWS ? next_tile_panels(p, np, p1, per) : 0;
+        kvf_walk walk = kvf_walk_start(ranges, nthreads, (int)nth, (int)tid, per, P);
+        int64_t p, pnext = 0;
+        for (int np; (np = kvf_walk_next(&walk, &p)) > 0;) {
+            const int nnext = M <= A8NEXT_ROWS ? kvf_walk_peek(&walk, &pnext) : 0;
             for (int64_t i = 0; i < M; i += rows) {
                 const int mr = (int)(M - i < rows ? M - i : rows);
-                a8_block(q + i * K4 * 4, K4, K, G, s + i * G, start + i * G, &w, p, mr, np, nnext, tile);
+                a8_block(q + i * K4 * 4, K4, K, G, s + i * G, start + i * G, &w, p, mr, np, pnext, nnext, tile);
                 for (int r = 0; r < mr; r++)
                     for (int c = 0; c < np; c++)
                         for (int j = 0; j < NR; j++) tile[(r * np + c) * NR + j] *= scales[(p + c) * NR + j];
@@ -886,6 +888,7 @@ int kvf_qlinear_a8(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_
             }
         }
     }
+    free(ranges);
     a8_rows_free(&a);
     return 0;
 }
@@ -949,7 +952,7 @@ static inline float f16_to_f32(uint16_t h) {
 #define W4P 8
 
 INLINE void w4_tile(const int8_t *q, int64_t K8, int64_t G, const float *s, const float *xs, int64_t GW,
-                    const qweight *w, int64_t p, int mr, int np, int nnext, float *out) {
+                    const qweight *w, int64_t p, int mr, int np, int64_t pnext, int nnext, float *out) {
     const int64_t ldq = K8 * 8, Np = w->Np, hpg = w->group / A8_GROUP; /* activation groups per weight group */
     const uint16_t *sc = (const uint16_t *)w->scales, *of = (const uint16_t *)w->offsets; /* fp16 */
 #if KVF_A8_VNNI
@@ -959,7 +962,7 @@ INLINE void w4_tile(const int8_t *q, int64_t K8, int64_t G, const float *s, cons
     for (int r = 0; r < mr; r++)
 #pragma GCC unroll 8
         for (int c = 0; c < np; c++) tot[r][c] = _mm512_setzero_ps();
-    const uint8_t *base = w->codes + p * w->pstride, *next = base + np * w->pstride; /* next: nnext panels */
+    const uint8_t *base = w->codes + p * w->pstride, *next = w->codes + pnext * w->pstride; /* next: nnext panels from pnext */
     for (int64_t gw = 0; gw < GW; gw++) {
         __m512 gacc[W4M][W4P];
 #pragma GCC unroll 8
@@ -1053,9 +1056,9 @@ INLINE void w4_tile(const int8_t *q, int64_t K8, int64_t G, const float *s, cons
 }
 
 static void w4_block(const int8_t *q, int64_t K8, int64_t G, const float *s, const float *xs, int64_t GW,
-                     const qweight *w, int64_t p, int mr, int np, int nnext, float *out) {
+                     const qweight *w, int64_t p, int mr, int np, int64_t pnext, int nnext, float *out) {
 #define KVF_WCASE(R, P) \
-    case (R) * 8 + (P): w4_tile(q, K8, G, s, xs, GW, w, p, R, P, nnext, out); break;
+    case (R) * 8 + (P): w4_tile(q, K8, G, s, xs, GW, w, p, R, P, pnext, nnext, out); break;
     switch (mr * 8 + np) {
         KVF_WCASE(1, 1) KVF_WCASE(1, 2) KVF_WCASE(1, 3) KVF_WCASE(1, 4)
         KVF_WCASE(1, 5) KVF_WCASE(1, 6) KVF_WCASE(1, 7) KVF_WCASE(1, 8)
@@ -1082,6 +1085,7 @@ int kvf_qlinear_a8w4(const void *x, int x_bf16, int64_t M, int64_t K, const uint
     int32_t *start = a.start;
     nthreads = nthreads < 1 ? 1 : (nthreads > P ? (int)P : nthreads);
     const size_t ysz = x_bf16 ? 2 : 4;
+    kvf_range *ranges = kvf_ranges_new(P, nthreads); /* panels from both ends (kvf_steal.h); NULL: even split */
 #pragma omp parallel num_threads(nthreads)
     {
         KVF_TEAM(tid, nth);
@@ -1094,19 +1098,20 @@ int kvf_qlinear_a8w4(const void *x, int x_bf16, int64_t M, int64_t K, const uint
                 *t = h * A8_GROUP % group == 0 ? v : *t + v;
             }
 #pragma omp barrier
-        const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
         const int rows = M < W4M ? (int)M : W4M, per = rows == 1 ? W4DP : (rows == 2 ? 4 : 2);
         float tile[W4M * W4P * NR];
-        for (int64_t p = p0; p < p1; p += per) {
-            const int np = (int)(p1 - p < per ? p1 - p : per);
-            const int nnext = M <= W4NEXT_ROWS ? next_tile_panels(p, np, p1, per) : 0;
+        kvf_walk walk = kvf_walk_start(ranges, nthreads, (int)nth, (int)tid, per, P);
+        int64_t p, pnext = 0;
+        for (int np; (np = kvf_walk_next(&walk, &p)) > 0;) {
+            const int nnext = M <= W4NEXT_ROWS ? kvf_walk_peek(&walk, &pnext) : 0;
             for (int64_t i = 0; i < M; i += rows) {
                 const int mr = (int)(M - i < rows ? M - i : rows);
-                w4_block(q + i * K8 * 8, K8, G, s + i * G, xs + i * GW, GW, &w, p, mr, np, nnext, tile);
+                w4_block(q + i * K8 * 8, K8, G, s + i * G, xs + i * GW, GW, &w, p, mr, np, pnext, nnext, tile);
                 write_rows(tile, mr, np, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, p * NR, bias);
             }
         }
     }
+    free(ranges);
     a8_rows_free(&a);
     return 0;
 }
