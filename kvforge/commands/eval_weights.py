@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, read_checkpoint_quant
 from kvforge.config import INT4_GROUP_SIZES, SUPPORTED_DTYPES, WEIGHT_FORMAT_NAMES
 from kvforge.flags import flag_errors
 
-EVAL_FORMATS = (*WEIGHT_FORMAT_NAMES, "gguf")  # gguf: a .gguf model's own codes (`quantization="gguf"`)
+# gguf: a .gguf model's own codes (`quantization="gguf"`); gptq / awq: such a checkpoint's own codes
+EVAL_FORMATS = (*WEIGHT_FORMAT_NAMES, "gguf", *CHECKPOINT_QUANT_METHODS)
 HELP = "quality cost of each weight format (perplexity and KL of int8 / int4 weights vs unquantized)"
 _FLAGS = {"dtype": "--dtype", "device": "--device", "model": "--model",
           "quantization_group_size": "--quantization-group-size",
@@ -63,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
     bad = [f for f in formats if f not in EVAL_FORMATS]
     if bad or not formats:
         raise ValueError(f"--formats takes {', '.join(EVAL_FORMATS)}, got {args.formats!r}")
+    declared = read_checkpoint_quant(args.model)
+    if declared is not None and formats != [declared.method]:
+        raise ValueError(f"--model {args.model!r} holds {declared.method.upper()} codes, so every row would be them: "
+                         f"score them with --formats {declared.method} (and the unquantized model in a run of its own)")
     if "gguf" in formats and args.model is not None and not str(args.model).endswith(".gguf"):
         raise ValueError(f"--formats gguf keeps a .gguf file's own codes; --model {args.model!r} is not a .gguf file")
     if args.quantization_calibration_tokens and not {"int4", "w4a8"} & set(formats):

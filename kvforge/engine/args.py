@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, read_checkpoint_quant
 from kvforge.config import (
     ATTENTION_BACKENDS, INT4_GROUP_SIZES, SUPPORTED_DTYPES, WEIGHT_QUANTIZATIONS, CacheConfig, SchedulerConfig,
 )
@@ -49,7 +50,8 @@ class ModelOptions:
         None, "quantization of the linear layers at load (CPU): int8 = weight-only, per output channel, "
         "int4 = groups along K (--quantization-group-size), gguf = a .gguf file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
         "codes; activations stay in --dtype, except w8a8_int8 = int8's codes with activations quantized to int8 "
-        "per row in groups of 32 k (int8 x int8 products: faster batches and prefill), w4a8 = int4's groups (a multiple of 32) read with those int8 activations (the fastest single stream); the lm_head keeps int8 weight-only",
+        "per row in groups of 32 k (int8 x int8 products: faster batches and prefill), w4a8 = int4's groups (a multiple of 32) read with those int8 activations (the fastest single stream); the lm_head keeps int8 weight-only; "
+        "gptq / awq = a 4-bit GPTQ / AWQ checkpoint's own codes (the default for one: read from its config.json)",
         choices=WEIGHT_QUANTIZATIONS)
     quantization_group_size: int = option(32, "int4 / w4a8: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
     quantization_calibration_tokens: int = option(
@@ -86,6 +88,17 @@ class ModelOptions:
                 raise ValueError("quantization_calibration_file needs quantization_calibration_tokens > 0")
             if not os.path.isfile(self.quantization_calibration_file):
                 raise ValueError(f"quantization_calibration_file {self.quantization_calibration_file!r} is not a file")
+        declared = read_checkpoint_quant(self.model)  # a GPTQ / AWQ checkpoint serves its own codes (as vLLM infers)
+        if declared is not None and self.quantization is None:
+            object.__setattr__(self, "quantization", declared.method)
+        elif declared is not None and self.quantization != declared.method:
+            raise ValueError(f"model {self.model!r} holds {declared.method.upper()} codes (config.json's quantization_config); "
+                             f"quantization={self.quantization!r} cannot apply to its codes: leave quantization unset "
+                             f"or pass {declared.method!r}")
+        elif declared is None and self.quantization in CHECKPOINT_QUANT_METHODS:
+            raise ValueError(f"quantization={self.quantization!r} keeps a {self.quantization} checkpoint's codes; model "
+                             f"{self.model!r} has no config.json quantization_config with quant_method "
+                             f"{self.quantization!r}")
         if self.quantization == "gguf" and self.model is not None and not str(self.model).endswith(".gguf"):
             raise ValueError(f"quantization='gguf' keeps a .gguf file's codes; model {self.model!r} is not a .gguf")
         if self.quantization is not None and self.device not in (None, "cpu"):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS
 from kvforge.models.layers import PACKED_PARAMS
 from kvforge.models.validate import safetensors_header
 
@@ -272,6 +273,22 @@ def load_into(model: nn.Module, source: WeightSource, dtype: torch.dtype, quanti
     if quantization and device is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU kernels; the model is on {device} "
                          "(use device='cpu')")
+    if quantization in CHECKPOINT_QUANT_METHODS:  # a GPTQ / AWQ checkpoint's own codes (models/hf_quant.py)
+        from kvforge.checkpoint_quant import read_checkpoint_quant
+        from kvforge.models.hf_quant import attach_checkpoint_codes
+
+        declared = read_checkpoint_quant(path)
+        if declared is None or declared.method != quantization:
+            raise ValueError(f"quantization={quantization!r} keeps a {quantization} checkpoint's codes; {path!r} "
+                             "declares no such quantization_config")
+        t0 = time.perf_counter()
+        served: set[str] = set()
+        if not attach_checkpoint_codes(model, source, declared, served):
+            raise ValueError(f"{path!r} declares {quantization} but holds no {quantization} layers (.qweight)")
+        attached = time.perf_counter() - t0
+        times = fill_model(model, source, dtype, None, group, served)
+        times.quantize += attached
+        return times
     if quantization != "gguf":
         return fill_model(model, source, dtype, quantization, group)
     from kvforge.models.weight_quant import attach_gguf_codes

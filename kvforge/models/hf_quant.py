@@ -1,0 +1,111 @@
+"""Pre-quantized GPTQ and AWQ checkpoints served on their own 4-bit codes (`quantization="gptq" | "awq"`, inferred
+from config.json's `quantization_config`, `checkpoint_quant.py`).
+
+Why: they are how most 4-bit models are published for vLLM. Both store w = (q - zero) x scale per group of
+input columns, which is kvforge's int4 group layout with offset = -zero x scale: the codes are unpacked and
+laid out in panels (`quant_linear.pack_codes`), never dequantized, and each weight the kernel computes,
+code x scale + offset in fp32, is exactly (q - zero) x scale (a 4-bit integer times an fp16 scale, and its
+offset, are exact in fp32). q|k|v and gate|up parts are stacked along N, as their dense weights are.
+
+The layouts (int32 words of eight 4-bit values, the low nibble first):
+- GPTQ: `qweight` [K / 8, N], word (k8, n) holding k = 8 k8 .. 8 k8 + 7 of column n; `qzeros` [G, N / 8]
+  holding columns 8 j .. 8 j + 7 of group g; `scales` [G, N] fp16; `g_idx` [K], each input column's group.
+  The v1 format (AutoGPTQ's) stores each zero point minus one; `checkpoint_format: gptq_v2` stores it as is.
+  Groups in activation order (a `g_idx` other than k // group) do not fit contiguous groups along K and are
+  refused, naming the layer.
+- AWQ (GEMM): `qweight` [K, N / 8] and `qzeros` [G, N / 8], word j of a row holding columns 8 j .. 8 j + 7
+  in the order 0, 2, 4, 6, 1, 3, 5, 7 (so column c sits in nibble `AWQ_NIBBLE_OF_COLUMN[c]`); `scales` [G, N].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvforge.checkpoint_quant import CheckpointQuant
+from kvforge.models.quant_linear import pack_codes
+
+AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized layer's tensors in the checkpoint
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> [..., W, 8] uint8: each word's eight 4-bit values, the low nibble first."""
+    return ((words.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 15).to(torch.uint8)
+
+
+def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+           g_idx: torch.Tensor | None = None, name: str = "layer"
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One layer's (codes [N, K] uint8, scales [N, G] fp32, offsets [N, G] fp32, group), as `pack_codes`
+    takes them."""
+    if q.method == "gptq":
+        k8, n = qweight.shape
+        k = 8 * k8
+        codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t()  # word (k8, n), nibble i: k = 8 k8 + i
+        zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :n]
+    elif q.method == "awq":
+        k, n8 = qweight.shape
+        n = 8 * n8
+        order = torch.tensor(AWQ_NIBBLE_OF_COLUMN)
+        codes = _nibbles(qweight)[..., order].reshape(k, n).t()
+        zeros = _nibbles(qzeros)[..., order].reshape(qzeros.shape[0], -1)[:, :n]
+    else:
+        raise ValueError(f"unknown checkpoint quantization {q.method!r}")
+    groups = scales.shape[0]
+    if tuple(scales.shape) != (groups, n) or zeros.shape[0] != groups or groups < 1 or k % groups:
+        raise ValueError(f"{name}: {q.method} scales {tuple(scales.shape)} / qzeros {tuple(qzeros.shape)} do not fit "
+                         f"a weight of {n} outputs x {k} inputs")
+    group = k // groups
+    if q.group is not None and group != q.group:
+        raise ValueError(f"{name}: {groups} groups of scales, but group_size {q.group} over {k} inputs")
+    if group % 2:
+        raise ValueError(f"{name}: groups of {group} inputs; kvforge's int4 layout needs an even group size")
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // group):
+        raise ValueError(f"{name}: this GPTQ checkpoint orders its groups by activation (desc_act: a g_idx other "
+                         "than k // group_size); kvforge's int4 kernel needs each group's inputs side by side. "
+                         "Re-export it with desc_act=false (or static_groups=true), or load an unquantized one "
+                         "with quantization=int4")
+    s = scales.to(torch.float32).t().contiguous()
+    z = zeros.to(torch.float32).t() + (1.0 if q.zero_plus_one else 0.0)
+    return codes.contiguous(), s, (-z * s).contiguous(), group
+
+
+def attach_checkpoint_codes(model: nn.Module, source: Any, q: CheckpointQuant, taken: set[str]) -> int:
+    """Every quantizable `Linear` whose checkpoint parts (all of a packed layer's) are GPTQ / AWQ tensors runs
+    on their codes (a tied embedding reads them too); the others (the lm_head, usually) load as dense weights.
+    `taken` gets the checkpoint names used. Returns how many layers were attached."""
+    from kvforge.models.layers import PACKED_PARAMS
+    from kvforge.models.weight_quant import attach_with_embedding, quantizable_layers
+
+    names = set(source.shapes)
+    done = 0
+    for name, module, tied in quantizable_layers(model):
+        prefix, _, leaf = name.rpartition(".")
+        parts = [f"{prefix}.{p}" if prefix else p for p in PACKED_PARAMS.get(leaf, (leaf,))]
+        if not all(f"{p}.qweight" in names for p in parts):
+            continue
+        pieces = []
+        for p in parts:
+            missing = [f"{p}.{s}" for s in SUFFIXES[:3] if f"{p}.{s}" not in names]
+            if missing:
+                raise ValueError(f"{q.method} checkpoint: {p}.qweight without {', '.join(missing)}")
+            g_idx = source.read(f"{p}.g_idx") if f"{p}.g_idx" in names else None
+            pieces.append(unpack(q, source.read(f"{p}.qweight"), source.read(f"{p}.qzeros"),
+                                 source.read(f"{p}.scales"), g_idx, p))
+            taken.update(f"{p}.{s}" for s in SUFFIXES if f"{p}.{s}" in names)
+        if len({g for *_, g in pieces}) != 1:
+            raise ValueError(f"{name}: its parts {parts} have different group sizes")
+        codes = torch.cat([c for c, *_ in pieces])
+        if tuple(codes.shape) != tuple(module.weight.shape):
+            raise ValueError(f"{name}: {q.method} codes of shape {tuple(codes.shape)}, the model expects "
+                             f"{tuple(module.weight.shape)}")
+        qw = dataclasses.replace(pack_codes(codes, torch.cat([s for _, s, _, _ in pieces]),
+                                            torch.cat([o for _, _, o, _ in pieces]), 4, pieces[0][3]),
+                                 fitted_by=f"from the {q.method.upper()} checkpoint")
+        attach_with_embedding(module, qw, tied)
+        done += 1
+    return done

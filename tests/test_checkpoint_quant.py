@@ -1,0 +1,216 @@
+"""Pre-quantized GPTQ / AWQ checkpoints (`checkpoint_quant.py`, `models/hf_quant.py`): served on their own codes.
+
+The checkpoints here are written by this file's own packers, from the published layouts (AutoGPTQ's v1 and
+gptq_v2, AutoAWQ's GEMM order), out of a tiny random Llama: each linear quantized to 4-bit groups by a
+plain min/max rule, its dense reference being (q - zero) x scale computed here. kvforge must then hold
+exactly those weights, and give the greedy tokens of a dense checkpoint of them."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvforge.checkpoint_quant import parse_quantization_config, read_checkpoint_quant
+from kvforge.models import quant_linear
+from kvforge.models.linear import Linear
+from kvforge.models.quant_linear import dequantize
+
+pytestmark = pytest.mark.skipif(quant_linear.LIBRARY.load() is None, reason="needs the int8/int4 kernel (a C compiler)")
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
+
+
+def _quantize(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [K, N] int, zeros [G, N] int, scales [G, N] fp16, the dense weight (q - z) x s [N, K] fp32)."""
+    n, k = w.shape
+    g = w.t().reshape(k // group, group, n)  # [G, group, N]
+    if sym:
+        scale = (g.abs().amax(1) / 7.5).clamp_min(1e-6).half()
+        zero = torch.full_like(scale, 8, dtype=torch.int32)
+    else:
+        lo, hi = g.amin(1), g.amax(1)
+        scale = ((hi - lo) / 15).clamp_min(1e-6).half()
+        zero = (-lo / scale.float()).round().clamp(0, 15).to(torch.int32)
+    q = (g / scale.float().unsqueeze(1)).round().to(torch.int32) + zero.unsqueeze(1)
+    q = q.clamp(0, 15)
+    dense = ((q - zero.unsqueeze(1)).float() * scale.float().unsqueeze(1)).reshape(k, n).t().contiguous()
+    return q.reshape(k, n), zero, scale, dense
+
+
+def _pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] 4-bit ints -> int32 [R / 8, C]: eight consecutive rows per word, the first in the low nibble."""
+    r, c = values.shape
+    v = values.to(torch.int64).reshape(r // 8, 8, c)
+    word = sum(v[:, i] << (4 * i) for i in range(8))
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
+
+
+def _pack_cols(values: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """[R, C] 4-bit ints -> int32 [R, C / 8]: nibble i of word j holds column 8 j + order[i]."""
+    r, c = values.shape
+    v = values.to(torch.int64).reshape(r, c // 8, 8)
+    word = sum(v[:, :, order[i]] << (4 * i) for i in range(8))
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
+
+
+def _write_quantized(src: str, dst: str, method: str, group: int, sym: bool = False, fmt: str = "gptq",
+                     g_idx_perm: bool = False) -> dict[str, torch.Tensor]:
+    """A copy of the tiny checkpoint at `src` with every decoder linear in `method`'s layout; returns the
+    dense weight (fp32) each linear now stands for."""
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors"):
+            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+                b.write(a.read())
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out, dense = {}, {}
+    for name, t in tensors.items():
+        prefix = name.rsplit(".", 1)[0]
+        if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in LINEARS):
+            out[name] = t
+            continue
+        q, zero, scale, d = _quantize(t.float(), group, sym)
+        dense[name] = d
+        if method == "gptq":
+            out[f"{prefix}.qweight"] = _pack_rows(q)
+            out[f"{prefix}.qzeros"] = _pack_cols(zero - (1 if fmt == "gptq" else 0))
+            k = q.shape[0]
+            g_idx = torch.arange(k, dtype=torch.int32) // group
+            out[f"{prefix}.g_idx"] = g_idx[torch.randperm(k)] if g_idx_perm else g_idx
+        else:
+            out[f"{prefix}.qweight"] = _pack_cols(q, AWQ_ORDER)
+            out[f"{prefix}.qzeros"] = _pack_cols(zero, AWQ_ORDER)
+        out[f"{prefix}.scales"] = scale.contiguous()
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = (
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": g_idx_perm,
+         "checkpoint_format": fmt} if method == "gptq" else
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dense
+
+
+def _write_dense(src: str, dst: str, dense: dict[str, torch.Tensor]) -> None:
+    """The same checkpoint with every linear replaced by the weight its codes stand for (fp32)."""
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not f.endswith(".safetensors"):
+            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+                b.write(a.read())
+    tensors = {n: t.float() for n, t in load_file(os.path.join(src, "model.safetensors")).items()}
+    tensors.update(dense)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_models import build_tiny_model
+
+    path = str(tmp_path_factory.mktemp("dense"))
+    build_tiny_model(path, "llama_d64", num_hidden_layers=2, intermediate_size=256)
+    return path
+
+
+CASES = [("gptq", 32, False, "gptq"), ("gptq", 64, True, "gptq"), ("gptq", 64, False, "gptq_v2"),
+         ("awq", 32, False, "gemm")]
+
+
+@pytest.mark.parametrize("method,group,sym,fmt", CASES)
+def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, sym, fmt):
+    """Auto-detected from config.json; every linear holds exactly (q - zero) x scale; greedy tokens and top
+    logprobs equal a dense fp32 checkpoint of those weights."""
+    from test_weight_quant import assert_same_greedy_outputs
+
+    from kvforge import LLM, SamplingParams
+
+    dense = _write_quantized(tiny, str(tmp_path / "q"), method, group, sym, fmt)
+    llm = LLM(model=str(tmp_path / "q"), dtype="float32", enable_prefix_caching=False, log_ledger=False,
+              num_kv_blocks=64)
+    model = llm.engine.model
+    assert llm.engine.config.model_options.quantization == method
+    for layer in range(2):
+        for packed, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                              ("self_attn.o_proj", ("self_attn.o_proj",)),
+                              ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                              ("mlp.down_proj", ("mlp.down_proj",))):
+            module = model.get_submodule(f"model.layers.{layer}.{packed}")
+            assert isinstance(module, Linear) and module.quant_weight is not None, packed
+            assert module.quant_weight.group == group and module.quant_weight.bits == 4
+            want = torch.cat([dense[f"model.layers.{layer}.{p}.weight"] for p in parts])
+            assert torch.equal(dequantize(module.quant_weight), want), (layer, packed)
+    assert model.lm_head.quant_weight is None  # not in the checkpoint's codes: dense, as written
+    prompts = ["hello there, quantized world", "abc" * 20]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
+    got = llm.generate(prompts, params)
+    _write_dense(tiny, str(tmp_path / "d"), dense)
+    ref_llm = LLM(model=str(tmp_path / "d"), dtype="float32", enable_prefix_caching=False, log_ledger=False,
+                  num_kv_blocks=64)
+    assert ref_llm.engine.config.model_options.quantization is None
+    assert_same_greedy_outputs(got, ref_llm.generate(prompts, params))
+
+
+def test_activation_order_groups_are_refused_by_name(tiny, tmp_path):
+    from kvforge import LLM
+
+    _write_quantized(tiny, str(tmp_path / "q"), "gptq", 32, g_idx_perm=True)
+    with pytest.raises(ValueError, match="desc_act"):
+        LLM(model=str(tmp_path / "q"), dtype="float32", log_ledger=False, num_kv_blocks=64)
+
+
+def test_quantization_option_must_agree_with_the_checkpoint(tiny, tmp_path):
+    from kvforge.engine.args import EngineArgs
+
+    _write_quantized(tiny, str(tmp_path / "q"), "awq", 32)
+    with pytest.raises(ValueError, match="holds AWQ codes.*quantization='int8'"):
+        EngineArgs(model=str(tmp_path / "q"), quantization="int8")
+    assert EngineArgs(model=str(tmp_path / "q"), quantization="awq").model_options.quantization == "awq"
+    with pytest.raises(ValueError, match="quantization='gptq' keeps a gptq checkpoint"):
+        EngineArgs(model=tiny, quantization="gptq")
+
+
+def test_cli_refuses_a_contradicting_quantization_with_exit_2(tiny, tmp_path, capsys):
+    from kvforge.cli import main
+
+    _write_quantized(tiny, str(tmp_path / "q"), "gptq", 32)
+    assert main(["generate", "--model", str(tmp_path / "q"), "--quantization", "int4", "hi"]) == 2
+    assert "holds GPTQ codes" in capsys.readouterr().err
+
+
+def test_eval_weights_scores_only_the_checkpoints_own_codes(tiny, tmp_path, capsys):
+    from kvforge.cli import main
+
+    _write_quantized(tiny, str(tmp_path / "q"), "awq", 32)
+    assert main(["eval", "weights", "--model", str(tmp_path / "q"), "--formats", "none,int8"]) == 2
+    assert "--formats awq" in capsys.readouterr().err
+    assert main(["eval", "weights", "--model", str(tmp_path / "q"), "--formats", "awq", "--contexts", "32",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["format"] for r in rows] == ["awq"] and rows[0]["perplexity"]["32"] > 1
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "bitsandbytes"}, "quant_method is 'bitsandbytes'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits is 8"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 33}, "group_size"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point"),
+])
+def test_unserved_quantization_configs_are_refused_by_field(qc, match):
+    with pytest.raises(ValueError, match=match):
+        parse_quantization_config(qc)
+
+
+def test_config_fields(tmp_path):
+    q = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False})
+    assert (q.method, q.group, q.zero_plus_one) == ("gptq", None, True)
+    q = parse_quantization_config({"quant_method": "awq", "w_bit": 4, "q_group_size": 64})  # AutoAWQ's own names
+    assert (q.method, q.group, q.zero_plus_one) == ("awq", 64, False)
+    assert read_checkpoint_quant(str(tmp_path)) is None and read_checkpoint_quant(None) is None
