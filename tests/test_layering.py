@@ -17,7 +17,8 @@ import kvforge
 LAYERS: list[set[str]] = [
     {"ledger", "flags", "progress", "envs", "gguf_file"},  # KV byte arithmetic; config-field flags; progress
     # lines; the KVFORGE_* registry; a GGUF file's header and tensor table: import nothing of kvforge
-    {"hf_config"},  # HF config.json -> model description (KVShape, windows, family): pure
+    {"hf_config", "checkpoint_quant"},  # HF config.json -> model description (KVShape, windows, family), and
+    # the quantization a GPTQ / AWQ checkpoint declares: pure
     {"config", "gguf_tokenizer", "native"},  # validated configs (pure); GGUF tokenizer metadata; C builds
     {"tokenizer", "planner"},  # text <-> ids; `kvforge plan` arithmetic (pure)
     {"kv"},  # blocks, coordinator (pure) and cache tensors
