@@ -12,14 +12,17 @@ import argparse
 import json
 import sys
 
+from kvforge.checkpoint_quant import parse_quantization_config
 from kvforge.config import CacheConfig
 from kvforge.flags import default_of
 from kvforge.ledger import parse_bytes
+from kvforge.planner import arch
 from kvforge.planner.capacity import Column, PlanOptions, build_column
 from kvforge.planner.lints import Lint, column_lints
 from kvforge.planner.prefix import load_prompts, prefix_cache_lint
 from kvforge.planner.presets import DEFAULT_MODEL, PRESETS, load_model
 from kvforge.planner.report import render_json, render_table
+from kvforge.planner.weights import PLAN_WEIGHT_FORMATS
 from kvforge.planner.specs import (
     GRANULARITIES, format_label, is_format_spec, parse_bandwidth, plan_kv_format, positive_int, weights_dtype,
 )
@@ -32,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"preset ({', '.join(PRESETS)}), config.json or model dir; append :KEY=VALUE to override fields")
     p.add_argument("--dtype", default="auto", help="weights dtype (default: the config's; float32 served as bf16)")
+    p.add_argument("--quantization", choices=PLAN_WEIGHT_FORMATS, default=None,
+                   help="weight format of the linear layers, as `--quantization` serves it (default: a GPTQ / AWQ "
+                        "checkpoint's own, else the dtype's); the lm_head stays int8 under kvforge's formats")
+    p.add_argument("--quantization-group-size", type=positive_int, default=None,
+                   help="int4 / w4a8 weights per scale (default 32; a GPTQ / AWQ checkpoint's own)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV format: auto, fp16, bf16, fp8, int8, int4; K and V apart as KDTYPE/VDTYPE; @SCALES suffix")
     p.add_argument("--kv-scales", choices=GRANULARITIES, default=None,
@@ -95,6 +103,21 @@ def _split_compare(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return models or [args.model], formats or [args.kv_cache_dtype]
 
 
+def plan_weight_format(cfg: dict, quantization: str | None, group: int | None) -> tuple[str | None, int]:
+    """The linear layers' (format, group) for a model: --quantization, else what a GPTQ / AWQ checkpoint's
+    quantization_config declares (and its group size, unless --quantization-group-size names one)."""
+    declared = parse_quantization_config(cfg["quantization_config"]) if cfg.get("quantization_config") else None
+    if declared is not None and quantization not in (None, declared.method):
+        raise ValueError(f"the model holds {declared.method.upper()} codes (its quantization_config); "
+                         f"--quantization {quantization} cannot apply to them")
+    if declared is not None:
+        return declared.method, group or declared.group or int(arch.text_config(cfg)["hidden_size"])
+    if quantization in ("gptq", "awq"):
+        raise ValueError(f"--quantization {quantization} plans a {quantization} checkpoint; the model's config "
+                         "has no quantization_config naming it")
+    return quantization, group or 32
+
+
 def build_columns(args: argparse.Namespace, opts: PlanOptions) -> list[Column]:
     """One column per (model, KV format) pair, in --compare order."""
     models, formats = _split_compare(args)
@@ -102,10 +125,11 @@ def build_columns(args: argparse.Namespace, opts: PlanOptions) -> list[Column]:
     for spec in models:
         label, cfg = load_model(spec)
         wdtype = weights_dtype(cfg, args.dtype)
+        quantization, group = plan_weight_format(cfg, args.quantization, args.quantization_group_size)
         for fspec in formats:
             fmt = plan_kv_format(fspec, wdtype, args.kv_scales)
             name = f"{label} {format_label(fmt)}" if len(formats) > 1 else label
-            cols.append(build_column(name, label, cfg, fmt, wdtype, opts))
+            cols.append(build_column(name, label, cfg, fmt, wdtype, opts, quantization, group))
     return cols
 
 

@@ -48,14 +48,21 @@ def _attention_params(cfg: dict[str, Any]) -> int:
     return params
 
 
-def _mlp_params(cfg: dict[str, Any], layer: int) -> int:
-    hidden = _req(cfg, "hidden_size")
+def _moe_width(cfg: dict[str, Any], layer: int) -> tuple[int, int, int]:
+    """(routed experts, shared experts, expert width) of `layer`'s MLP; (0, 0, 0) for a dense one."""
     experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
     dense_first = int(cfg.get("first_k_dense_replace", 0))
     freq = int(cfg.get("moe_layer_freq", 1) or 1)
     if experts and layer >= dense_first and layer % freq == 0:
         inter = int(cfg.get("moe_intermediate_size") or _req(cfg, "intermediate_size"))
-        shared = int(cfg.get("n_shared_experts") or 0)
+        return experts, int(cfg.get("n_shared_experts") or 0), inter
+    return 0, 0, 0
+
+
+def _mlp_params(cfg: dict[str, Any], layer: int) -> int:
+    hidden = _req(cfg, "hidden_size")
+    experts, shared, inter = _moe_width(cfg, layer)
+    if experts:
         return 3 * hidden * inter * (experts + shared) + hidden * experts  # experts + router
     inter = _req(cfg, "intermediate_size")
     return 3 * hidden * inter + (2 * inter + hidden if cfg.get("mlp_bias") else 0)
@@ -66,11 +73,52 @@ def param_count(cfg: dict[str, Any]) -> int:
     cfg = text_config(cfg)
     hidden, vocab, layers = _req(cfg, "hidden_size"), _req(cfg, "vocab_size"), _req(cfg, "num_hidden_layers")
     norms_per_layer = 4 if cfg.get("model_type", "").startswith("gemma") and cfg["model_type"] != "gemma" else 2
-    tied = cfg.get("tie_word_embeddings", cfg.get("model_type", "").startswith("gemma"))  # HF class defaults
-    total = vocab * hidden * (1 if tied else 2) + hidden
+    total = vocab * hidden * (1 if is_tied(cfg) else 2) + hidden
     for layer in range(layers):
         total += _attention_params(cfg) + _mlp_params(cfg, layer) + norms_per_layer * hidden
     return total
+
+
+def linear_params(cfg: dict[str, Any]) -> int:
+    """Parameters of the decoder layers' linear weights (attention and MLP / MoE, biases and routers included):
+    what weight quantization turns into codes."""
+    cfg = text_config(cfg)
+    return sum(_attention_params(cfg) + _mlp_params(cfg, layer) for layer in range(_req(cfg, "num_hidden_layers")))
+
+
+def linear_rows(cfg: dict[str, Any]) -> int:
+    """Output channels of the decoder layers' linear weights (what per-channel scales count): exact for
+    attention with q / k / v / o projections and gated MLPs (dense, or experts with their router); MLA's
+    projections as their parameters over the hidden size."""
+    cfg = text_config(cfg)
+    hidden = _req(cfg, "hidden_size")
+    if is_mla(cfg):
+        return linear_params(cfg) // hidden
+    heads, hd, kv = _req(cfg, "num_attention_heads"), head_dim(cfg), num_kv_heads(cfg)
+    rows = 0
+    for layer in range(_req(cfg, "num_hidden_layers")):
+        rows += heads * hd + 2 * kv * hd + hidden
+        experts, shared, inter = _moe_width(cfg, layer)
+        if experts:
+            rows += (experts + shared) * (2 * inter + hidden) + experts  # gate|up and down per expert, the router
+        else:
+            rows += 2 * _req(cfg, "intermediate_size") + hidden
+    return rows
+
+
+def vocab_hidden(cfg: dict[str, Any]) -> int:
+    """One vocab x hidden matrix: the embedding table, and the lm_head (the same one when tied)."""
+    cfg = text_config(cfg)
+    return _req(cfg, "vocab_size") * _req(cfg, "hidden_size")
+
+
+def vocab_size(cfg: dict[str, Any]) -> int:
+    return _req(text_config(cfg), "vocab_size")
+
+
+def is_tied(cfg: dict[str, Any]) -> bool:
+    cfg = text_config(cfg)
+    return bool(cfg.get("tie_word_embeddings", cfg.get("model_type", "").startswith("gemma")))  # HF class defaults
 
 
 def active_intermediate(cfg: dict[str, Any]) -> int:

@@ -12,6 +12,8 @@ from typing import Any
 from kvforge import ledger
 from kvforge.ledger import KVCacheFormat, KVGroup, KVShape
 from kvforge.planner import arch
+from kvforge.planner.weights import format_label as weights_format_label
+from kvforge.planner.weights import weight_bytes
 
 LOGIT_BYTES = 4  # logits are computed in float32 for sampling
 
@@ -73,6 +75,7 @@ class Column:
     batch_bytes: float
     capacity: Capacity | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    weights_format: str | None = None  # the linear layers' weight format (`--quantization`), None: the dtype
 
 
 def activation_bytes(cfg: dict[str, Any], tokens: int, max_num_seqs: int, dtype: str) -> int:
@@ -114,12 +117,14 @@ def model_max_len(cfg: dict[str, Any]) -> int:
 
 
 def build_column(
-    label: str, model: str, cfg: dict[str, Any], fmt: KVCacheFormat, wdtype: str, opts: PlanOptions
+    label: str, model: str, cfg: dict[str, Any], fmt: KVCacheFormat, wdtype: str, opts: PlanOptions,
+    quantization: str | None = None, group: int = 32,
 ) -> Column:
-    """Compute one column; raises ValueError (exit 2) when the GPU budget cannot hold the model."""
+    """Compute one column (its linear weights in `quantization`, `planner/weights.py`); raises ValueError
+    (exit 2) when the GPU budget cannot hold the model."""
     shape = arch.kv_shape_from_hf(cfg)
     params = arch.param_count(cfg)
-    weights = int(params * ledger.element_bytes(wdtype))
+    weights = weight_bytes(cfg, wdtype, quantization, group)
     extra: dict[str, Any] = {}
     if opts.tensor_parallel_size > 1:  # one device's share: its KV heads, 1/N of the weights (norms aside)
         layout = ledger.tensor_parallel_kv(shape, opts.tensor_parallel_size)
@@ -134,7 +139,7 @@ def build_column(
         per_block=ledger.kv_bytes_per_block(shape, bs, fmt),
         per_seq=ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
         batch_bytes=opts.batch * ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
-        extra=extra,
+        extra=extra, weights_format=weights_format_label(quantization, group, wdtype) if quantization else None,
     )
     if opts.gpu_memory is not None:
         try:

@@ -1,0 +1,62 @@
+"""Bytes of a model's weights in a weight format (`kvforge plan --quantization`), from its config alone.
+
+Why: the ledger's rule is weights + KV = memory, so every byte a format saves on weights is room for KV
+blocks. The plan counts them as the engine stores them (`models/quant_linear.py`, `models/hf_quant.py`):
+
+- the decoder layers' linear weights (attention and MLP, routers and biases included) at the format's bytes
+  per weight: int8 codes 1 byte; int4 codes half a byte, plus an fp32 scale and offset per group of
+  `group` weights (fp16 ones for w4a8); a GPTQ / AWQ checkpoint's groups are stored as int4's;
+- the lm_head: int8 under kvforge's own formats (`layer_method`: it keeps the logits within int8's error),
+  and a tied embedding reads those codes, so a tied matrix is counted once; a GPTQ / AWQ checkpoint keeps its
+  lm_head and embeddings as written (the model dtype);
+- everything else (norms, an untied embedding table) in the model dtype.
+
+int8's fp32 scale per output channel is counted too (4 bytes a row of the linears and of the lm_head).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvforge import ledger
+from kvforge.planner import arch
+
+PLAN_WEIGHT_FORMATS = ("int8", "int4", "w8a8_int8", "w4a8", "gptq", "awq")
+
+
+def linear_bytes_per_weight(quantization: str, group: int) -> float:
+    """Bytes per weight of the decoder layers' linears in `quantization`."""
+    if quantization in ("int8", "w8a8_int8"):
+        return 1.0
+    if quantization in ("int4", "gptq", "awq"):
+        return 0.5 + 8 / group
+    if quantization == "w4a8":
+        return 0.5 + 4 / group
+    raise ValueError(f"--quantization must be one of {', '.join(PLAN_WEIGHT_FORMATS)}, got {quantization!r}")
+
+
+def format_label(quantization: str | None, group: int, wdtype: str) -> str:
+    if quantization is None:
+        return wdtype
+    if quantization in ("int8", "w8a8_int8"):
+        return quantization
+    return f"{quantization} g{group}"
+
+
+def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = None, group: int = 32) -> int:
+    """The weights' bytes for `cfg` served in `wdtype`, its linear layers in `quantization` (None: dense)."""
+    elem = ledger.element_bytes(wdtype)
+    total = arch.param_count(cfg)
+    if quantization is None:
+        return int(total * elem)
+    linear = arch.linear_params(cfg)
+    vocab_matrix = arch.vocab_hidden(cfg)  # one vocab x hidden matrix
+    tied = arch.is_tied(cfg)
+    rest = total - linear - vocab_matrix * (1 if tied else 2)
+    out = linear * linear_bytes_per_weight(quantization, group) + rest * elem
+    if quantization in ("int8", "w8a8_int8"):
+        out += 4 * arch.linear_rows(cfg)  # a scale per output channel
+    if quantization in ("gptq", "awq"):  # the checkpoint's lm_head and embeddings, as written
+        out += vocab_matrix * (1 if tied else 2) * elem
+    else:  # an int8 lm_head (a scale per vocabulary row); a tied embedding reads its codes, an untied one stays dense
+        out += vocab_matrix * 1.0 + 4 * arch.vocab_size(cfg) + (0 if tied else vocab_matrix * elem)
+    return int(out)
