@@ -5,9 +5,9 @@ touched, so that a GPTQ or AWQ checkpoint is served on its own codes without bei
 infers `quantization` from the checkpoint) and a `quantization=` that contradicts it is refused at once
 with a message naming both.
 
-Served (`models/hf_quant.py` turns the tensors into kvforge's int4 layout): 4-bit GPTQ (`quant_method:
-gptq`, symmetric or not, any even group size or -1, the v1 zero-point convention or `gptq_v2`) without
-activation-order groups, and 4-bit AWQ in its GEMM layout (`version: gemm`). Anything else is refused here,
+Served (`models/hf_quant.py` turns the tensors into kvforge's int4 / int8 group layouts): 4- and 8-bit GPTQ
+(`quant_method: gptq`, symmetric or not, any even group size or -1, the v1 zero-point convention or
+`gptq_v2`) without activation-order groups, and 4-bit AWQ in its GEMM layout (`version: gemm`). Anything else is refused here,
 naming the field, rather than loaded wrong.
 """
 from __future__ import annotations
@@ -58,8 +58,9 @@ def parse_quantization_config(qc: Any) -> CheckpointQuant:
                          f"pre-quantized {' and '.join(CHECKPOINT_QUANT_METHODS)} checkpoints (4-bit), or quantizes "
                          "an unquantized one at load (quantization=int8 / int4 / ...)")
     bits = qc.get("bits", qc.get("w_bit"))
-    if bits != 4:
-        raise ValueError(f"quantization_config.bits is {bits!r}; kvforge serves 4-bit {method} checkpoints")
+    if bits not in ((4, 8) if method == "gptq" else (4,)):
+        raise ValueError(f"quantization_config.bits is {bits!r}; kvforge serves {'4- and 8-bit' if method == 'gptq' else '4-bit'} "
+                         f"{method} checkpoints")
     group = qc.get("group_size", qc.get("q_group_size", 128))
     if not isinstance(group, int) or isinstance(group, bool) or (group != -1 and (group < 2 or group % 2)):
         raise ValueError(f"quantization_config.group_size must be -1 or an even number >= 2, got {group!r}")
@@ -74,5 +75,5 @@ def parse_quantization_config(qc: Any) -> CheckpointQuant:
     fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"quantization_config.checkpoint_format is {fmt!r}; kvforge reads 'gptq' and 'gptq_v2'")
-    return CheckpointQuant("gptq", 4, None if group == -1 else group, zero_plus_one=fmt == "gptq",
+    return CheckpointQuant("gptq", bits, None if group == -1 else group, zero_plus_one=fmt == "gptq",
                            desc_act=bool(qc.get("desc_act", False)))

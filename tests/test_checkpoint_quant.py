@@ -24,41 +24,46 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
 
 
-def _quantize(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize(w: torch.Tensor, group: int, sym: bool, bits: int = 4
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] -> (q [K, N] int, zeros [G, N] int, scales [G, N] fp16, the dense weight (q - z) x s [N, K] fp32)."""
     n, k = w.shape
+    top = (1 << bits) - 1
     g = w.t().reshape(k // group, group, n)  # [G, group, N]
     if sym:
-        scale = (g.abs().amax(1) / 7.5).clamp_min(1e-6).half()
-        zero = torch.full_like(scale, 8, dtype=torch.int32)
+        scale = (g.abs().amax(1) / (top / 2)).clamp_min(1e-6).half()
+        zero = torch.full_like(scale, (top + 1) // 2, dtype=torch.int32)
     else:
         lo, hi = g.amin(1), g.amax(1)
-        scale = ((hi - lo) / 15).clamp_min(1e-6).half()
-        zero = (-lo / scale.float()).round().clamp(0, 15).to(torch.int32)
+        scale = ((hi - lo) / top).clamp_min(1e-6).half()
+        zero = (-lo / scale.float()).round().clamp(0, top).to(torch.int32)
     q = (g / scale.float().unsqueeze(1)).round().to(torch.int32) + zero.unsqueeze(1)
-    q = q.clamp(0, 15)
+    q = q.clamp(0, top)
     dense = ((q - zero.unsqueeze(1)).float() * scale.float().unsqueeze(1)).reshape(k, n).t().contiguous()
     return q.reshape(k, n), zero, scale, dense
 
 
-def _pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] 4-bit ints -> int32 [R / 8, C]: eight consecutive rows per word, the first in the low nibble."""
+def _pack_rows(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """[R, C] `bits`-bit ints -> int32 [R / per, C]: `per` = 32 / bits consecutive rows per word, the first lowest."""
     r, c = values.shape
-    v = values.to(torch.int64).reshape(r // 8, 8, c)
-    word = sum(v[:, i] << (4 * i) for i in range(8))
+    per = 32 // bits
+    v = values.to(torch.int64).reshape(r // per, per, c)
+    word = sum(v[:, i] << (bits * i) for i in range(per))
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
 
 
-def _pack_cols(values: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """[R, C] 4-bit ints -> int32 [R, C / 8]: nibble i of word j holds column 8 j + order[i]."""
+def _pack_cols(values: torch.Tensor, order: tuple[int, ...] | None = None, bits: int = 4) -> torch.Tensor:
+    """[R, C] `bits`-bit ints -> int32 [R, C / per]: value i of word j holds column per j + order[i]."""
     r, c = values.shape
-    v = values.to(torch.int64).reshape(r, c // 8, 8)
-    word = sum(v[:, :, order[i]] << (4 * i) for i in range(8))
+    per = 32 // bits
+    order = order or tuple(range(per))
+    v = values.to(torch.int64).reshape(r, c // per, per)
+    word = sum(v[:, :, order[i]] << (bits * i) for i in range(per))
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
 
 
 def _write_quantized(src: str, dst: str, method: str, group: int, sym: bool = False, fmt: str = "gptq",
-                     g_idx_perm: bool = False) -> dict[str, torch.Tensor]:
+                     g_idx_perm: bool = False, bits: int = 4) -> dict[str, torch.Tensor]:
     """A copy of the tiny checkpoint at `src` with every decoder linear in `method`'s layout; returns the
     dense weight (fp32) each linear now stands for."""
     os.makedirs(dst, exist_ok=True)
@@ -73,11 +78,11 @@ def _write_quantized(src: str, dst: str, method: str, group: int, sym: bool = Fa
         if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in LINEARS):
             out[name] = t
             continue
-        q, zero, scale, d = _quantize(t.float(), group, sym)
+        q, zero, scale, d = _quantize(t.float(), group, sym, bits)
         dense[name] = d
         if method == "gptq":
-            out[f"{prefix}.qweight"] = _pack_rows(q)
-            out[f"{prefix}.qzeros"] = _pack_cols(zero - (1 if fmt == "gptq" else 0))
+            out[f"{prefix}.qweight"] = _pack_rows(q, bits)
+            out[f"{prefix}.qzeros"] = _pack_cols(zero - (1 if fmt == "gptq" else 0), bits=bits)
             k = q.shape[0]
             g_idx = torch.arange(k, dtype=torch.int32) // group
             out[f"{prefix}.g_idx"] = g_idx[torch.randperm(k)] if g_idx_perm else g_idx
@@ -89,7 +94,7 @@ def _write_quantized(src: str, dst: str, method: str, group: int, sym: bool = Fa
     with open(os.path.join(dst, "config.json")) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = (
-        {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": g_idx_perm,
+        {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": g_idx_perm,
          "checkpoint_format": fmt} if method == "gptq" else
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
     with open(os.path.join(dst, "config.json"), "w") as f:
@@ -118,19 +123,19 @@ def tiny(tmp_path_factory):
     return path
 
 
-CASES = [("gptq", 32, False, "gptq"), ("gptq", 64, True, "gptq"), ("gptq", 64, False, "gptq_v2"),
-         ("awq", 32, False, "gemm")]
+CASES = [("gptq", 32, False, "gptq", 4), ("gptq", 64, True, "gptq", 4), ("gptq", 64, False, "gptq_v2", 4),
+         ("awq", 32, False, "gemm", 4), ("gptq", 32, False, "gptq", 8), ("gptq", 64, True, "gptq", 8)]
 
 
-@pytest.mark.parametrize("method,group,sym,fmt", CASES)
-def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, sym, fmt):
+@pytest.mark.parametrize("method,group,sym,fmt,bits", CASES)
+def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, sym, fmt, bits):
     """Auto-detected from config.json; every linear holds exactly (q - zero) x scale; greedy tokens and top
     logprobs equal a dense fp32 checkpoint of those weights."""
     from test_weight_quant import assert_same_greedy_outputs
 
     from kvforge import LLM, SamplingParams
 
-    dense = _write_quantized(tiny, str(tmp_path / "q"), method, group, sym, fmt)
+    dense = _write_quantized(tiny, str(tmp_path / "q"), method, group, sym, fmt, bits=bits)
     llm = LLM(model=str(tmp_path / "q"), dtype="float32", enable_prefix_caching=False, log_ledger=False,
               num_kv_blocks=64)
     model = llm.engine.model
@@ -142,10 +147,21 @@ def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, s
                               ("mlp.down_proj", ("mlp.down_proj",))):
             module = model.get_submodule(f"model.layers.{layer}.{packed}")
             assert isinstance(module, Linear) and module.quant_weight is not None, packed
-            assert module.quant_weight.group == group and module.quant_weight.bits == 4
+            assert module.quant_weight.group == group and module.quant_weight.bits == bits
             want = torch.cat([dense[f"model.layers.{layer}.{p}.weight"] for p in parts])
             assert torch.equal(dequantize(module.quant_weight), want), (layer, packed)
     assert model.lm_head.quant_weight is None  # not in the checkpoint's codes: dense, as written
+    from kvforge.commands.plan import plan_weight_format
+    from kvforge.engine.startup_report import weights_bytes
+    from kvforge.planner.presets import load_model
+    from kvforge.planner.weights import weight_bytes
+
+    _, cfg = load_model(str(tmp_path / "q"))  # `kvforge plan` counts the bytes the engine holds
+    assert plan_weight_format(cfg, None, None) == (method, group, bits)
+    # on CPU a tied lm_head left dense also gets a packed copy beside the embedding (models/linear.py), which
+    # the plan, as for any unquantized model, leaves out
+    packed_copy = model.lm_head.packed_nbytes if model.lm_head.weight is model.model.embed_tokens.weight else 0
+    assert weight_bytes(cfg, "float32", method, group, bits) == weights_bytes(model) - packed_copy
     prompts = ["hello there, quantized world", "abc" * 20]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
     got = llm.generate(prompts, params)
@@ -197,7 +213,8 @@ def test_eval_weights_scores_only_the_checkpoints_own_codes(tiny, tmp_path, caps
 
 @pytest.mark.parametrize("qc,match", [
     ({"quant_method": "bitsandbytes"}, "quant_method is 'bitsandbytes'"),
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits is 8"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits is 3"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits is 8"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 33}, "group_size"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),

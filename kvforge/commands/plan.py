@@ -103,19 +103,21 @@ def _split_compare(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     return models or [args.model], formats or [args.kv_cache_dtype]
 
 
-def plan_weight_format(cfg: dict, quantization: str | None, group: int | None) -> tuple[str | None, int]:
+def plan_weight_format(cfg: dict, quantization: str | None, group: int | None) -> tuple[str | None, int, int]:
     """The linear layers' (format, group) for a model: --quantization, else what a GPTQ / AWQ checkpoint's
-    quantization_config declares (and its group size, unless --quantization-group-size names one)."""
+    quantization_config declares (and its group size, unless --quantization-group-size names one), and the
+    code width (a GPTQ checkpoint's 4 or 8 bits)."""
     declared = parse_quantization_config(cfg["quantization_config"]) if cfg.get("quantization_config") else None
     if declared is not None and quantization not in (None, declared.method):
         raise ValueError(f"the model holds {declared.method.upper()} codes (its quantization_config); "
                          f"--quantization {quantization} cannot apply to them")
     if declared is not None:
-        return declared.method, group or declared.group or int(arch.text_config(cfg)["hidden_size"])
+        return (declared.method, group or declared.group or int(arch.text_config(cfg)["hidden_size"]),
+                declared.bits)
     if quantization in ("gptq", "awq"):
         raise ValueError(f"--quantization {quantization} plans a {quantization} checkpoint; the model's config "
                          "has no quantization_config naming it")
-    return quantization, group or 32
+    return quantization, group or 32, 4
 
 
 def build_columns(args: argparse.Namespace, opts: PlanOptions) -> list[Column]:
@@ -125,11 +127,11 @@ def build_columns(args: argparse.Namespace, opts: PlanOptions) -> list[Column]:
     for spec in models:
         label, cfg = load_model(spec)
         wdtype = weights_dtype(cfg, args.dtype)
-        quantization, group = plan_weight_format(cfg, args.quantization, args.quantization_group_size)
+        quantization, group, bits = plan_weight_format(cfg, args.quantization, args.quantization_group_size)
         for fspec in formats:
             fmt = plan_kv_format(fspec, wdtype, args.kv_scales)
             name = f"{label} {format_label(fmt)}" if len(formats) > 1 else label
-            cols.append(build_column(name, label, cfg, fmt, wdtype, opts, quantization, group))
+            cols.append(build_column(name, label, cfg, fmt, wdtype, opts, quantization, group, bits))
     return cols
 
 

@@ -1,4 +1,4 @@
-"""Pre-quantized GPTQ and AWQ checkpoints served on their own 4-bit codes (`quantization="gptq" | "awq"`, inferred
+"""Pre-quantized GPTQ and AWQ checkpoints served on their own 4-bit (GPTQ also 8-bit) codes (`quantization="gptq" | "awq"`, inferred
 from config.json's `quantization_config`, `checkpoint_quant.py`).
 
 Why: they are how most 4-bit models are published for vLLM. Both store w = (q - zero) x scale per group of
@@ -10,6 +10,8 @@ offset, are exact in fp32). q|k|v and gate|up parts are stacked along N, as thei
 The layouts (int32 words of eight 4-bit values, the low nibble first):
 - GPTQ: `qweight` [K / 8, N], word (k8, n) holding k = 8 k8 .. 8 k8 + 7 of column n; `qzeros` [G, N / 8]
   holding columns 8 j .. 8 j + 7 of group g; `scales` [G, N] fp16; `g_idx` [K], each input column's group.
+  8-bit: four values a word ([K / 4, N], [G, N / 4]), into int8 groups with offsets: code = q - 128 and
+  offset = (128 - zero) x scale.
   The v1 format (AutoGPTQ's) stores each zero point minus one; `checkpoint_format: gptq_v2` stores it as is.
   Groups in activation order (a `g_idx` other than k // group) do not fit contiguous groups along K and are
   refused, naming the layer.
@@ -32,9 +34,10 @@ SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized layer's tenso
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] -> [..., W, 8] uint8: each word's eight 4-bit values, the low nibble first."""
-    return ((words.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 15).to(torch.uint8)
+def _nibbles(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """int32 [..., W] -> [..., W, 32 / bits] uint8: each word's `bits`-bit values, the lowest first."""
+    shifts = _SHIFTS if bits == 4 else torch.arange(0, 32, bits, dtype=torch.int32)
+    return ((words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
 
 
 def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -42,11 +45,12 @@ def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scal
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """One layer's (codes [N, K] uint8, scales [N, G] fp32, offsets [N, G] fp32, group), as `pack_codes`
     takes them."""
+    per = 32 // q.bits  # values per int32 word
     if q.method == "gptq":
-        k8, n = qweight.shape
-        k = 8 * k8
-        codes = _nibbles(qweight).permute(0, 2, 1).reshape(k, n).t()  # word (k8, n), nibble i: k = 8 k8 + i
-        zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1)[:, :n]
+        kw, n = qweight.shape
+        k = per * kw
+        codes = _nibbles(qweight, q.bits).permute(0, 2, 1).reshape(k, n).t()  # word (kw, n), value i: k = per kw + i
+        zeros = _nibbles(qzeros, q.bits).reshape(qzeros.shape[0], -1)[:, :n]
     elif q.method == "awq":
         k, n8 = qweight.shape
         n = 8 * n8
@@ -62,7 +66,7 @@ def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scal
     group = k // groups
     if q.group is not None and group != q.group:
         raise ValueError(f"{name}: {groups} groups of scales, but group_size {q.group} over {k} inputs")
-    if group % 2:
+    if group % 2 and q.bits == 4:
         raise ValueError(f"{name}: groups of {group} inputs; kvforge's int4 layout needs an even group size")
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // group):
         raise ValueError(f"{name}: this GPTQ checkpoint orders its groups by activation (desc_act: a g_idx other "
@@ -71,6 +75,8 @@ def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scal
                          "with quantization=int4")
     s = scales.to(torch.float32).t().contiguous()
     z = zeros.to(torch.float32).t() + (1.0 if q.zero_plus_one else 0.0)
+    if q.bits == 8:  # int8 codes are signed: code = q - 128, so w = code x s + (128 - zero) x s
+        return (codes.to(torch.int16) - 128).to(torch.int8).contiguous(), s, ((128 - z) * s).contiguous(), group
     return codes.contiguous(), s, (-z * s).contiguous(), group
 
 
@@ -104,7 +110,7 @@ def attach_checkpoint_codes(model: nn.Module, source: Any, q: CheckpointQuant, t
             raise ValueError(f"{name}: {q.method} codes of shape {tuple(codes.shape)}, the model expects "
                              f"{tuple(module.weight.shape)}")
         qw = dataclasses.replace(pack_codes(codes, torch.cat([s for _, s, _, _ in pieces]),
-                                            torch.cat([o for _, _, o, _ in pieces]), 4, pieces[0][3]),
+                                            torch.cat([o for _, _, o, _ in pieces]), q.bits, pieces[0][3]),
                                  fitted_by=f"from the {q.method.upper()} checkpoint")
         attach_with_embedding(module, qw, tied)
         done += 1

@@ -118,13 +118,13 @@ def model_max_len(cfg: dict[str, Any]) -> int:
 
 def build_column(
     label: str, model: str, cfg: dict[str, Any], fmt: KVCacheFormat, wdtype: str, opts: PlanOptions,
-    quantization: str | None = None, group: int = 32,
+    quantization: str | None = None, group: int = 32, bits: int = 4,
 ) -> Column:
     """Compute one column (its linear weights in `quantization`, `planner/weights.py`); raises ValueError
     (exit 2) when the GPU budget cannot hold the model."""
     shape = arch.kv_shape_from_hf(cfg)
     params = arch.param_count(cfg)
-    weights = weight_bytes(cfg, wdtype, quantization, group)
+    weights = weight_bytes(cfg, wdtype, quantization, group, bits)
     extra: dict[str, Any] = {}
     if opts.tensor_parallel_size > 1:  # one device's share: its KV heads, 1/N of the weights (norms aside)
         layout = ledger.tensor_parallel_kv(shape, opts.tensor_parallel_size)
@@ -139,7 +139,7 @@ def build_column(
         per_block=ledger.kv_bytes_per_block(shape, bs, fmt),
         per_seq=ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
         batch_bytes=opts.batch * ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
-        extra=extra, weights_format=weights_format_label(quantization, group, wdtype) if quantization else None,
+        extra=extra, weights_format=weights_format_label(quantization, group, wdtype, bits) if quantization else None,
     )
     if opts.gpu_memory is not None:
         try:

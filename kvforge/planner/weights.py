@@ -5,7 +5,8 @@ blocks. The plan counts them as the engine stores them (`models/quant_linear.py`
 
 - the decoder layers' linear weights (attention and MLP, routers and biases included) at the format's bytes
   per weight: int8 codes 1 byte; int4 codes half a byte, plus an fp32 scale and offset per group of
-  `group` weights (fp16 ones for w4a8); a GPTQ / AWQ checkpoint's groups are stored as int4's;
+  `group` weights (fp16 ones for w4a8); a GPTQ / AWQ checkpoint's groups are stored as int4's (8-bit GPTQ
+  as int8 codes with a scale and offset per group);
 - the lm_head: int8 under kvforge's own formats (`layer_method`: it keeps the logits within int8's error),
   and a tied embedding reads those codes, so a tied matrix is counted once; a GPTQ / AWQ checkpoint keeps its
   lm_head and embeddings as written (the model dtype);
@@ -23,27 +24,31 @@ from kvforge.planner import arch
 PLAN_WEIGHT_FORMATS = ("int8", "int4", "w8a8_int8", "w4a8", "gptq", "awq")
 
 
-def linear_bytes_per_weight(quantization: str, group: int) -> float:
-    """Bytes per weight of the decoder layers' linears in `quantization`."""
+def linear_bytes_per_weight(quantization: str, group: int, bits: int = 4) -> float:
+    """Bytes per weight of the decoder layers' linears in `quantization` (`bits`: a GPTQ checkpoint's, 4 or 8)."""
     if quantization in ("int8", "w8a8_int8"):
         return 1.0
-    if quantization in ("int4", "gptq", "awq"):
+    if quantization in ("gptq", "awq"):
+        return bits / 8 + 8 / group  # codes, and an fp32 scale and offset per group
+    if quantization == "int4":
         return 0.5 + 8 / group
     if quantization == "w4a8":
         return 0.5 + 4 / group
     raise ValueError(f"--quantization must be one of {', '.join(PLAN_WEIGHT_FORMATS)}, got {quantization!r}")
 
 
-def format_label(quantization: str | None, group: int, wdtype: str) -> str:
+def format_label(quantization: str | None, group: int, wdtype: str, bits: int = 4) -> str:
     if quantization is None:
         return wdtype
     if quantization in ("int8", "w8a8_int8"):
         return quantization
-    return f"{quantization} g{group}"
+    return f"{quantization}{' int8' if bits == 8 else ''} g{group}"
 
 
-def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = None, group: int = 32) -> int:
-    """The weights' bytes for `cfg` served in `wdtype`, its linear layers in `quantization` (None: dense)."""
+def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = None, group: int = 32,
+                 bits: int = 4) -> int:
+    """The weights' bytes for `cfg` served in `wdtype`, its linear layers in `quantization` (None: dense;
+    `bits`: a GPTQ checkpoint's code width)."""
     elem = ledger.element_bytes(wdtype)
     total = arch.param_count(cfg)
     if quantization is None:
@@ -52,7 +57,7 @@ def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = No
     vocab_matrix = arch.vocab_hidden(cfg)  # one vocab x hidden matrix
     tied = arch.is_tied(cfg)
     rest = total - linear - vocab_matrix * (1 if tied else 2)
-    out = linear * linear_bytes_per_weight(quantization, group) + rest * elem
+    out = linear * linear_bytes_per_weight(quantization, group, bits) + rest * elem
     if quantization in ("int8", "w8a8_int8"):
         out += 4 * arch.linear_rows(cfg)  # a scale per output channel
     if quantization in ("gptq", "awq"):  # the checkpoint's lm_head and embeddings, as written
