@@ -43,8 +43,8 @@ def _nibbles(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
 def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
            g_idx: torch.Tensor | None = None, name: str = "layer"
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """One layer's (codes [N, K] uint8, scales [N, G] fp32, offsets [N, G] fp32, group), as `pack_codes`
-    takes them."""
+    """One layer's (codes [N, K]: 4-bit values as uint8, 8-bit as int8; scales [N, G] fp32; offsets [N, G] fp32;
+    group), as `pack_codes` takes them."""
     per = 32 // q.bits  # values per int32 word
     if q.method == "gptq":
         kw, n = qweight.shape
@@ -70,7 +70,7 @@ def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         raise ValueError(f"{name}: groups of {group} inputs; kvforge's int4 layout needs an even group size")
     if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // group):
         raise ValueError(f"{name}: this GPTQ checkpoint orders its groups by activation (desc_act: a g_idx other "
-                         "than k // group_size); kvforge's int4 kernel needs each group's inputs side by side. "
+                         "than k // group_size); kvforge's kernels need each group's inputs side by side. "
                          "Re-export it with desc_act=false (or static_groups=true), or load an unquantized one "
                          "with quantization=int4")
     s = scales.to(torch.float32).t().contiguous()
