@@ -180,6 +180,18 @@ def test_activation_order_groups_are_refused_by_name(tiny, tmp_path):
         LLM(model=str(tmp_path / "q"), dtype="float32", log_ledger=False, num_kv_blocks=64)
 
 
+def test_a_damaged_checkpoint_is_refused_by_name(tiny, tmp_path):
+    from kvforge import LLM
+
+    _write_quantized(tiny, str(tmp_path / "q"), "gptq", 32)
+    path = os.path.join(tmp_path, "q", "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.qzeros"]
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.qweight without model.layers.1.mlp.up_proj.qzeros"):
+        LLM(model=str(tmp_path / "q"), dtype="float32", log_ledger=False, num_kv_blocks=64)
+
+
 def test_quantization_option_must_agree_with_the_checkpoint(tiny, tmp_path):
     from kvforge.engine.args import EngineArgs
 

@@ -55,3 +55,5 @@ def test_plan_reads_a_checkpoints_quantization_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert main(["plan", "--model", str(tmp_path), "--quantization", "int4"]) == 2
     assert "holds GPTQ codes" in capsys.readouterr().err
+    assert main(["plan", "--model", str(tmp_path), "--quantization-group-size", "32"]) == 2
+    assert "groups of 128" in capsys.readouterr().err

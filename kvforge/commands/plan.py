@@ -13,7 +13,7 @@ import json
 import sys
 
 from kvforge.checkpoint_quant import parse_quantization_config
-from kvforge.config import CacheConfig
+from kvforge.config import INT4_GROUP_SIZES, CacheConfig
 from kvforge.flags import default_of
 from kvforge.ledger import parse_bytes
 from kvforge.planner import arch
@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", choices=PLAN_WEIGHT_FORMATS, default=None,
                    help="weight format of the linear layers, as `--quantization` serves it (default: a GPTQ / AWQ "
                         "checkpoint's own, else the dtype's); the lm_head stays int8 under kvforge's formats")
-    p.add_argument("--quantization-group-size", type=positive_int, default=None,
-                   help="int4 / w4a8 weights per scale (default 32; a GPTQ / AWQ checkpoint's own)")
+    p.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=None,
+                   help="int4 / w4a8 weights per scale (default 32; a GPTQ / AWQ checkpoint has its own)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV format: auto, fp16, bf16, fp8, int8, int4; K and V apart as KDTYPE/VDTYPE; @SCALES suffix")
     p.add_argument("--kv-scales", choices=GRANULARITIES, default=None,
@@ -112,8 +112,11 @@ def plan_weight_format(cfg: dict, quantization: str | None, group: int | None) -
         raise ValueError(f"the model holds {declared.method.upper()} codes (its quantization_config); "
                          f"--quantization {quantization} cannot apply to them")
     if declared is not None:
-        return (declared.method, group or declared.group or int(arch.text_config(cfg)["hidden_size"]),
-                declared.bits)
+        own = declared.group or int(arch.text_config(cfg)["hidden_size"])  # group_size -1: one group per row
+        if group is not None and group != own:
+            raise ValueError(f"the model's {declared.method.upper()} codes come in groups of {own}; "
+                             f"--quantization-group-size {group} cannot apply to them")
+        return declared.method, own, declared.bits
     if quantization in ("gptq", "awq"):
         raise ValueError(f"--quantization {quantization} plans a {quantization} checkpoint; the model's config "
                          "has no quantization_config naming it")

@@ -51,7 +51,7 @@ class ModelOptions:
         "int4 = groups along K (--quantization-group-size), gguf = a .gguf file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
         "codes; activations stay in --dtype, except w8a8_int8 = int8's codes with activations quantized to int8 "
         "per row in groups of 32 k (int8 x int8 products: faster batches and prefill), w4a8 = int4's groups (a multiple of 32) read with those int8 activations (the fastest single stream); the lm_head keeps int8 weight-only; "
-        "gptq / awq = a 4-bit GPTQ / AWQ checkpoint's own codes (the default for one: read from its config.json)",
+        "gptq / awq = a GPTQ (4- or 8-bit) / AWQ checkpoint's own codes (the default for one: read from its config.json)",
         choices=WEIGHT_QUANTIZATIONS)
     quantization_group_size: int = option(32, "int4 / w4a8: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
     quantization_calibration_tokens: int = option(

@@ -268,12 +268,15 @@ def fill_model(model: nn.Module, source: WeightSource, dtype: torch.dtype, quant
 
 def load_into(model: nn.Module, source: WeightSource, dtype: torch.dtype, quantization: str | None = None,
               group: int | None = None, path: str | None = None, device: torch.device | None = None) -> FillTimes:
-    """`fill_model` (on CPU; the caller moves the model to `device`), after attaching a GGUF file's own codes
-    (`quantization="gguf"`, timed as `quantize`) so those layers are never dequantized."""
+    """`fill_model` (on CPU; the caller moves the model to `device`), after attaching the codes a file already
+    holds (`quantization="gguf"`: a GGUF file's; "gptq" / "awq": such a checkpoint's, `models/hf_quant.py`),
+    timed as `quantize`, so those layers are never dequantized."""
     if quantization and device is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on CPU kernels; the model is on {device} "
                          "(use device='cpu')")
-    if quantization in CHECKPOINT_QUANT_METHODS:  # a GPTQ / AWQ checkpoint's own codes (models/hf_quant.py)
+    served: set[str] = set()  # the checkpoint names the attached codes cover
+    t0 = time.perf_counter()
+    if quantization in CHECKPOINT_QUANT_METHODS:
         from kvforge.checkpoint_quant import read_checkpoint_quant
         from kvforge.models.hf_quant import attach_checkpoint_codes
 
@@ -281,23 +284,16 @@ def load_into(model: nn.Module, source: WeightSource, dtype: torch.dtype, quanti
         if declared is None or declared.method != quantization:
             raise ValueError(f"quantization={quantization!r} keeps a {quantization} checkpoint's codes; {path!r} "
                              "declares no such quantization_config")
-        t0 = time.perf_counter()
-        served: set[str] = set()
         if not attach_checkpoint_codes(model, source, declared, served):
             raise ValueError(f"{path!r} declares {quantization} but holds no {quantization} layers (.qweight)")
-        attached = time.perf_counter() - t0
-        times = fill_model(model, source, dtype, None, group, served)
-        times.quantize += attached
-        return times
-    if quantization != "gguf":
-        return fill_model(model, source, dtype, quantization, group)
-    from kvforge.models.weight_quant import attach_gguf_codes
+    elif quantization == "gguf":
+        from kvforge.models.weight_quant import attach_gguf_codes
 
-    if path is None or not path.endswith(".gguf"):
-        raise ValueError(f"quantization='gguf' keeps a .gguf file's codes; the model was loaded from {path!r}")
-    t0 = time.perf_counter()
-    served: set[str] = set()
-    attach_gguf_codes(model, path, served, getattr(source, "reader", None))  # GGUFSource's open file
+        if path is None or not path.endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' keeps a .gguf file's codes; the model was loaded from {path!r}")
+        attach_gguf_codes(model, path, served, getattr(source, "reader", None))  # GGUFSource's open file
+    else:
+        return fill_model(model, source, dtype, quantization, group)
     attached = time.perf_counter() - t0
     times = fill_model(model, source, dtype, None, group, served)
     times.quantize += attached

@@ -19,19 +19,19 @@ from __future__ import annotations
 from typing import Any
 
 from kvforge import ledger
+from kvforge.config import WEIGHT_QUANTIZATIONS
 from kvforge.planner import arch
 
-PLAN_WEIGHT_FORMATS = ("int8", "int4", "w8a8_int8", "w4a8", "gptq", "awq")
+# every `quantization=` the engine takes but gguf (its tensors mix block types only the file can tell)
+PLAN_WEIGHT_FORMATS = tuple(q for q in WEIGHT_QUANTIZATIONS if q != "gguf")
 
 
 def linear_bytes_per_weight(quantization: str, group: int, bits: int = 4) -> float:
     """Bytes per weight of the decoder layers' linears in `quantization` (`bits`: a GPTQ checkpoint's, 4 or 8)."""
     if quantization in ("int8", "w8a8_int8"):
         return 1.0
-    if quantization in ("gptq", "awq"):
+    if quantization in ("int4", "gptq", "awq"):
         return bits / 8 + 8 / group  # codes, and an fp32 scale and offset per group
-    if quantization == "int4":
-        return 0.5 + 8 / group
     if quantization == "w4a8":
         return 0.5 + 4 / group
     raise ValueError(f"--quantization must be one of {', '.join(PLAN_WEIGHT_FORMATS)}, got {quantization!r}")

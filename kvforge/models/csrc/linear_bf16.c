@@ -508,10 +508,10 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     if (mode == 2 && !amx) mode = kvf_panel_bf16_fma_faster(); /* AMX cannot take this call: the faster vector tile */
     if (mode == 1) xf = widen_rows(xp, M, K2);
 #endif
-    /* the vector tiles' panel groups, handed out from both ends (kvf_steal.h); NULL: the even split */
+    /* the vector GEMM tiles' panel groups, handed out from both ends (kvf_steal.h); NULL: the even split */
     kvf_range *ranges = NULL;
 #if KVF_SIMD
-    ranges = kvf_ranges_new((P + GP - 1) / GP, nthreads);
+    if (!amx && M >= BF16_GEMM_MIN) ranges = kvf_ranges_new((P + GP - 1) / GP, nthreads);
 #endif
 #pragma omp parallel num_threads(nthreads)
     {
