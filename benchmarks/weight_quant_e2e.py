@@ -14,6 +14,10 @@ codes) is compared with the Python layers on the same engine. Weight bytes are t
     python benchmarks/weight_quant_e2e.py --model-size 1b --formats none int8 int4 --tokens 32 --unfused
     python benchmarks/weight_quant_e2e.py --model-size 1b --formats none int8 w8a8_int8 w4a8 --group-size 128 \
         --rounds 5 --save FILE
+    python benchmarks/weight_quant_e2e.py --model-size 1b --formats none int4 --group-size 128 \
+        --checkpoints DIR_IN_ORDER DIR_ACT_ORDER          # GPTQ / AWQ folders (benchmarks/gptq_checkpoints.py)
+
+`--checkpoints` adds pre-quantized folders, each an engine on its own codes, named by its folder.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ def main() -> None:
     ap.add_argument("--save", help="also write the table to this file")
     ap.add_argument("--model-size", default=None, help="a random-weight Llama of benchmarks/random_llama.py (1b, 3b)")
     ap.add_argument("--unfused", action="store_true", help="also time each engine with KVFORGE_FUSED_LAYERS=0")
+    ap.add_argument("--checkpoints", nargs="*", default=[], help="pre-quantized (GPTQ / AWQ) folders to time too")
     args = ap.parse_args()
     model = None
     sys.path.insert(0, str(Path(__file__).parent))
@@ -50,6 +55,9 @@ def main() -> None:
                       **({"quantization_group_size": args.group_size}
                          if args.group_size and q in ("int4", "w4a8") else {}))
                for q in args.formats}
+    for folder in args.checkpoints:  # served on their own codes: quantization comes from their config.json
+        engines[Path(folder).name] = LLM(model=folder, dtype="bfloat16", log_ledger=False, enable_prefix_caching=False,
+                                         num_kv_blocks=64, max_model_len=1024)
     one, many = (SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (1, args.tokens + 1))
     prompt = ["The history of the Roman empire begins"]
     modes = ["fused", "python layers"] if args.unfused else ["fused"]
@@ -66,11 +74,12 @@ def main() -> None:
                 rate = args.tokens / max(1e-9, (t2 - t1) - (t1 - t0))
                 rates.setdefault((q, mode), []).append(rate)
     base = rates.get(("none", "fused"))
-    lines = [f"{'weights':<9} {'mode':<13} {'MiB':>7}  {'best tok/s':>10}  {'best vs bf16':>12}  per-round ratio to bf16 "
+    width = max(9, *(len(q) for q in engines))
+    lines = [f"{'weights':<{width}} {'mode':<13} {'MiB':>7}  {'best tok/s':>10}  {'best vs bf16':>12}  per-round ratio to bf16 "
              "(median; rounds)"]
     for (q, mode), rs in rates.items():
         mib = weights_bytes(engines[q].engine.model) / 2**20
-        line = f"{q:<9} {mode:<13} {mib:7.1f}  {max(rs):10.2f}"
+        line = f"{q:<{width}} {mode:<13} {mib:7.1f}  {max(rs):10.2f}"
         if base:
             ratios = [r / b for r, b in zip(rs, base)]
             line += (f"  {max(rs) / max(base):11.2f}x  {statistics.median(ratios):.2f}x; "

@@ -7,7 +7,7 @@ with a message naming both.
 
 Served (`models/hf_quant.py` turns the tensors into kvforge's int4 / int8 group layouts): 4- and 8-bit GPTQ
 (`quant_method: gptq`, symmetric or not, any even group size or -1, the v1 zero-point convention or
-`gptq_v2`) without activation-order groups, and 4-bit AWQ in its GEMM layout (`version: gemm`). Anything else is refused here,
+`gptq_v2`, groups in order or in activation order), and 4-bit AWQ in its GEMM layout (`version: gemm`). Anything else is refused here,
 naming the field, rather than loaded wrong.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ class CheckpointQuant:
     bits: int
     group: int | None
     zero_plus_one: bool  # GPTQ v1 stores each zero point minus one (AutoGPTQ's convention); v2 and AWQ do not
-    desc_act: bool  # GPTQ groups in activation order: g_idx, not k // group, names each column's group
+    desc_act: bool  # GPTQ groups in activation order (desc_act without static_groups): g_idx names each input's group
 
 
 def read_checkpoint_quant(model: str | None) -> CheckpointQuant | None:
@@ -76,4 +76,4 @@ def parse_quantization_config(qc: Any) -> CheckpointQuant:
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"quantization_config.checkpoint_format is {fmt!r}; kvforge reads 'gptq' and 'gptq_v2'")
     return CheckpointQuant("gptq", bits, None if group == -1 else group, zero_plus_one=fmt == "gptq",
-                           desc_act=bool(qc.get("desc_act", False)))
+                           desc_act=bool(qc.get("desc_act", False)) and not qc.get("static_groups", False))

@@ -62,30 +62,44 @@ def _pack_cols(values: torch.Tensor, order: tuple[int, ...] | None = None, bits:
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
 
 
+def _input_of(prefix: str) -> str:
+    """The input a linear reads: q / k / v share one, gate / up another (GPTQ fits them from one x^T x)."""
+    layer, _, leaf = prefix.rpartition(".")
+    return f"{layer}.{ {'q_proj': 'qkv', 'k_proj': 'qkv', 'v_proj': 'qkv', 'gate_proj': 'gate_up', 'up_proj': 'gate_up'}.get(leaf, leaf)}"
+
+
 def _write_quantized(src: str, dst: str, method: str, group: int, sym: bool = False, fmt: str = "gptq",
-                     g_idx_perm: bool = False, bits: int = 4) -> dict[str, torch.Tensor]:
+                     act_order: str | None = None, bits: int = 4) -> dict[str, torch.Tensor]:
     """A copy of the tiny checkpoint at `src` with every decoder linear in `method`'s layout; returns the
-    dense weight (fp32) each linear now stands for."""
+    dense weight (fp32) each linear now stands for. `act_order` (GPTQ): "shared" quantizes each linear's
+    groups in a random order of its inputs, one order per input as GPTQ's desc_act gives (g_idx[perm[i]] =
+    i // group); "per_layer" one order per linear, which q / k / v (or gate / up) then do not share."""
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
         if not f.endswith(".safetensors"):
             with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
                 b.write(a.read())
     tensors = load_file(os.path.join(src, "model.safetensors"))
-    out, dense = {}, {}
+    out, dense, orders = {}, {}, {}
+    gen = torch.Generator().manual_seed(5)
     for name, t in tensors.items():
         prefix = name.rsplit(".", 1)[0]
         if not (name.endswith(".weight") and prefix.rsplit(".", 1)[-1] in LINEARS):
             out[name] = t
             continue
-        q, zero, scale, d = _quantize(t.float(), group, sym, bits)
+        k = t.shape[1]
+        key = _input_of(prefix) if act_order == "shared" else prefix
+        perm = orders.setdefault(key, torch.randperm(k, generator=gen)) if act_order else torch.arange(k)
+        q_p, zero, scale, d_p = _quantize(t.float()[:, perm], group, sym, bits)  # groups over the inputs in `perm`
+        q, d = torch.empty_like(q_p), torch.empty_like(d_p)
+        q[perm], d[:, perm] = q_p, d_p
         dense[name] = d
         if method == "gptq":
             out[f"{prefix}.qweight"] = _pack_rows(q, bits)
             out[f"{prefix}.qzeros"] = _pack_cols(zero - (1 if fmt == "gptq" else 0), bits=bits)
-            k = q.shape[0]
-            g_idx = torch.arange(k, dtype=torch.int32) // group
-            out[f"{prefix}.g_idx"] = g_idx[torch.randperm(k)] if g_idx_perm else g_idx
+            g_idx = torch.empty(k, dtype=torch.int32)
+            g_idx[perm] = torch.arange(k, dtype=torch.int32) // group
+            out[f"{prefix}.g_idx"] = g_idx
         else:
             out[f"{prefix}.qweight"] = _pack_cols(q, AWQ_ORDER)
             out[f"{prefix}.qzeros"] = _pack_cols(zero, AWQ_ORDER)
@@ -94,7 +108,7 @@ def _write_quantized(src: str, dst: str, method: str, group: int, sym: bool = Fa
     with open(os.path.join(dst, "config.json")) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = (
-        {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": g_idx_perm,
+        {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order is not None,
          "checkpoint_format": fmt} if method == "gptq" else
         {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"})
     with open(os.path.join(dst, "config.json"), "w") as f:
@@ -123,19 +137,21 @@ def tiny(tmp_path_factory):
     return path
 
 
-CASES = [("gptq", 32, False, "gptq", 4), ("gptq", 64, True, "gptq", 4), ("gptq", 64, False, "gptq_v2", 4),
-         ("awq", 32, False, "gemm", 4), ("gptq", 32, False, "gptq", 8), ("gptq", 64, True, "gptq", 8)]
+CASES = [("gptq", 32, False, "gptq", 4, None), ("gptq", 64, True, "gptq", 4, None),
+         ("gptq", 64, False, "gptq_v2", 4, None), ("awq", 32, False, "gemm", 4, None),
+         ("gptq", 32, False, "gptq", 8, None), ("gptq", 64, True, "gptq", 8, None),
+         ("gptq", 32, False, "gptq", 4, "shared"), ("gptq", 64, True, "gptq_v2", 8, "shared")]
 
 
-@pytest.mark.parametrize("method,group,sym,fmt,bits", CASES)
-def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, sym, fmt, bits):
-    """Auto-detected from config.json; every linear holds exactly (q - zero) x scale; greedy tokens and top
-    logprobs equal a dense fp32 checkpoint of those weights."""
+@pytest.mark.parametrize("method,group,sym,fmt,bits,act_order", CASES)
+def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, sym, fmt, bits, act_order):
+    """Auto-detected from config.json; every linear holds exactly (q - zero) x scale (in activation order too);
+    greedy tokens and top logprobs equal a dense fp32 checkpoint of those weights."""
     from test_weight_quant import assert_same_greedy_outputs
 
     from kvforge import LLM, SamplingParams
 
-    dense = _write_quantized(tiny, str(tmp_path / "q"), method, group, sym, fmt, bits=bits)
+    dense = _write_quantized(tiny, str(tmp_path / "q"), method, group, sym, fmt, act_order, bits=bits)
     llm = LLM(model=str(tmp_path / "q"), dtype="float32", enable_prefix_caching=False, log_ledger=False,
               num_kv_blocks=64)
     model = llm.engine.model
@@ -148,6 +164,7 @@ def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, s
             module = model.get_submodule(f"model.layers.{layer}.{packed}")
             assert isinstance(module, Linear) and module.quant_weight is not None, packed
             assert module.quant_weight.group == group and module.quant_weight.bits == bits
+            assert (module.quant_weight.perm is not None) == (act_order is not None)
             want = torch.cat([dense[f"model.layers.{layer}.{p}.weight"] for p in parts])
             assert torch.equal(dequantize(module.quant_weight), want), (layer, packed)
     assert model.lm_head.quant_weight is None  # not in the checkpoint's codes: dense, as written
@@ -158,9 +175,9 @@ def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, s
 
     _, cfg = load_model(str(tmp_path / "q"))  # `kvforge plan` counts the bytes the engine holds
     assert plan_weight_format(cfg, None, None) == (method, group, bits)
-    # on CPU a tied lm_head left dense also gets a packed copy beside the embedding (models/linear.py), which
-    # the plan, as for any unquantized model, leaves out
-    packed_copy = model.lm_head.packed_nbytes if model.lm_head.weight is model.model.embed_tokens.weight else 0
+    # a tied lm_head left dense is packed in place, the embedding reading its panels (models/linear.py); where
+    # the CPU has no panel kernel it gets a packed copy instead, which the plan, as for any model, leaves out
+    packed_copy = model.lm_head.packed_nbytes if model.lm_head.packed_copy else 0
     assert weight_bytes(cfg, "float32", method, group, bits) == weights_bytes(model) - packed_copy
     prompts = ["hello there, quantized world", "abc" * 20]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -172,11 +189,37 @@ def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, s
     assert_same_greedy_outputs(got, ref_llm.generate(prompts, params))
 
 
-def test_activation_order_groups_are_refused_by_name(tiny, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_activation_order_runs_the_same_in_the_fused_decode_loop(tiny, tmp_path, monkeypatch, dtype):
+    """The fused C decode loop gathers each matmul's inputs to the codes' order as the Python layers do:
+    bitwise the same hidden states, and the weights line says where the order came from."""
+    from test_decode_layers import _run
+
+    _write_quantized(tiny, str(tmp_path / "q"), "gptq", 32, act_order="shared")
+    tokens, hidden, served = _run(str(tmp_path / "q"), monkeypatch, True, dtype, "panel", 8)
+    ref_tokens, ref_hidden, ref_served = _run(str(tmp_path / "q"), monkeypatch, False, dtype, "panel", 8)
+    assert served > 0 and ref_served == 0 and tokens == ref_tokens
+    assert len(hidden) == len(ref_hidden) and all(torch.equal(a, b) for a, b in zip(hidden, ref_hidden))
+
+
+def test_activation_orders_that_stacked_parts_do_not_share_are_refused_by_name(tiny, tmp_path):
     from kvforge import LLM
 
-    _write_quantized(tiny, str(tmp_path / "q"), "gptq", 32, g_idx_perm=True)
-    with pytest.raises(ValueError, match="desc_act"):
+    _write_quantized(tiny, str(tmp_path / "q"), "gptq", 32, act_order="per_layer")
+    with pytest.raises(ValueError, match=r"qkv_proj: .*order their groups by activation differently \(g_idx\)"):
+        LLM(model=str(tmp_path / "q"), dtype="float32", log_ledger=False, num_kv_blocks=64)
+
+
+def test_a_g_idx_with_uneven_groups_is_refused_by_name(tiny, tmp_path):
+    from kvforge import LLM
+
+    _write_quantized(tiny, str(tmp_path / "q"), "gptq", 32)
+    path = os.path.join(tmp_path, "q", "model.safetensors")
+    tensors = load_file(path)
+    g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]
+    g_idx[:2] = g_idx[-1]  # two inputs moved to the last group
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj: g_idx does not give each of the"):
         LLM(model=str(tmp_path / "q"), dtype="float32", log_ledger=False, num_kv_blocks=64)
 
 
@@ -239,7 +282,11 @@ def test_unserved_quantization_configs_are_refused_by_field(qc, match):
 
 def test_config_fields(tmp_path):
     q = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False})
-    assert (q.method, q.group, q.zero_plus_one) == ("gptq", None, True)
+    assert (q.method, q.group, q.zero_plus_one, q.desc_act) == ("gptq", None, True, False)
+    assert parse_quantization_config({"quant_method": "gptq", "bits": 4, "desc_act": True}).desc_act
+    # static groups: GPTQ visits the columns in activation order but keeps the groups in k // group_size
+    assert not parse_quantization_config({"quant_method": "gptq", "bits": 4, "desc_act": True,
+                                          "static_groups": True}).desc_act
     q = parse_quantization_config({"quant_method": "awq", "w_bit": 4, "q_group_size": 64})  # AutoAWQ's own names
     assert (q.method, q.group, q.zero_plus_one) == ("awq", 64, False)
     assert read_checkpoint_quant(str(tmp_path)) is None and read_checkpoint_quant(None) is None

@@ -60,7 +60,8 @@ class _Layer(ctypes.Structure):
 
 class _QDesc(ctypes.Structure):
     """`kvf_qdesc` (linear_quant.c): one quantized weight, as `kvf_qlinear_desc` takes it."""
-    _fields_ = [("codes", _P), ("scales", _P), ("offsets", _P), ("group", _I), ("bits", _I), ("act8", _I)]
+    _fields_ = [("codes", _P), ("scales", _P), ("offsets", _P), ("group", _I), ("bits", _I), ("act8", _I),
+                ("perm", _P)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -142,7 +143,7 @@ class _Plan:
 
 def _qdesc(qw) -> _QDesc:  # type: ignore[no-untyped-def]
     return _QDesc(qw.codes.data_ptr(), qw.scales.data_ptr(), qw.offsets.data_ptr() if qw.offsets is not None else None,
-                  qw.group, qw.bits, int(qw.act_int8))
+                  qw.group, qw.bits, int(qw.act_int8), qw.perm.data_ptr() if qw.perm is not None else None)
 
 
 def _enabled() -> bool:

@@ -13,7 +13,11 @@ The layouts (int32 words of eight 4-bit values, the low nibble first):
   8-bit: four values a word ([K / 4, N], [G, N / 4]), into int8 groups with offsets: code = q - 128 and
   offset = (128 - zero) x scale.
   The v1 format (AutoGPTQ's) stores each zero point minus one; `checkpoint_format: gptq_v2` stores it as is.
-  Groups in activation order (a `g_idx` other than k // group) do not fit contiguous groups along K and are
+  Groups in activation order (`desc_act`: a `g_idx` other than k // group, each group's inputs scattered
+  along K) are laid out sorted by group, so each group's inputs sit side by side as the kernel reads them,
+  with that order kept as the weight's `perm`: the kernel gathers the activations to it (a K-element gather
+  per row, as vLLM's GPTQ kernels shuffle their inputs). Parts stacked into one matmul (q|k|v, gate|up) read
+  the same input, and GPTQ fits them from the same x^T x, so they share one order; parts that do not are
   refused, naming the layer.
 - AWQ (GEMM): `qweight` [K, N / 8] and `qzeros` [G, N / 8], word j of a row holding columns 8 j .. 8 j + 7
   in the order 0, 2, 4, 6, 1, 3, 5, 7 (so column c sits in nibble `AWQ_NIBBLE_OF_COLUMN[c]`); `scales` [G, N].
@@ -42,9 +46,10 @@ def _nibbles(words: torch.Tensor, bits: int = 4) -> torch.Tensor:
 
 def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
            g_idx: torch.Tensor | None = None, name: str = "layer"
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """One layer's (codes [N, K]: 4-bit values as uint8, 8-bit as int8; scales [N, G] fp32; offsets [N, G] fp32;
-    group), as `pack_codes` takes them."""
+    group), as `pack_codes` takes them, and the input order (None: k itself; else int32 [K], the input each
+    code column multiplies, the codes' columns sorted by group)."""
     per = 32 // q.bits  # values per int32 word
     if q.method == "gptq":
         kw, n = qweight.shape
@@ -68,16 +73,31 @@ def unpack(q: CheckpointQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scal
         raise ValueError(f"{name}: {groups} groups of scales, but group_size {q.group} over {k} inputs")
     if group % 2 and q.bits == 4:
         raise ValueError(f"{name}: groups of {group} inputs; kvforge's int4 layout needs an even group size")
-    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // group):
-        raise ValueError(f"{name}: this GPTQ checkpoint orders its groups by activation (desc_act: a g_idx other "
-                         "than k // group_size); kvforge's kernels need each group's inputs side by side. "
-                         "Re-export it with desc_act=false (or static_groups=true), or load an unquantized one "
-                         "with quantization=int4")
+    perm = _activation_order(g_idx, k, group, groups, name)
+    if perm is not None:
+        codes = codes[:, perm]
     s = scales.to(torch.float32).t().contiguous()
     z = zeros.to(torch.float32).t() + (1.0 if q.zero_plus_one else 0.0)
     if q.bits == 8:  # int8 codes are signed: code = q - 128, so w = code x s + (128 - zero) x s
-        return (codes.to(torch.int16) - 128).to(torch.int8).contiguous(), s, ((128 - z) * s).contiguous(), group
-    return codes.contiguous(), s, (-z * s).contiguous(), group
+        codes, offsets = (codes.to(torch.int16) - 128).to(torch.int8), (128 - z) * s
+    else:
+        offsets = -z * s
+    return codes.contiguous(), s, offsets.contiguous(), group, perm
+
+
+def _activation_order(g_idx: torch.Tensor | None, k: int, group: int, groups: int, name: str) -> torch.Tensor | None:
+    """None where `g_idx` is absent or k // group (groups already side by side); else the inputs sorted by
+    group (int32 [K]), each group holding exactly `group` of them, as GPTQ's activation order assigns them."""
+    if g_idx is None:
+        return None
+    g = g_idx.to(torch.int64).reshape(-1)
+    if g.numel() != k:
+        raise ValueError(f"{name}: g_idx has {g.numel()} entries for {k} inputs")
+    if torch.equal(g, torch.arange(k) // group):
+        return None
+    if int(g.min()) < 0 or int(g.max()) >= groups or not bool((torch.bincount(g, minlength=groups) == group).all()):
+        raise ValueError(f"{name}: g_idx does not give each of the {groups} groups {group} inputs")
+    return torch.sort(g, stable=True).indices.to(torch.int32)
 
 
 def attach_checkpoint_codes(model: nn.Module, source: Any, q: CheckpointQuant, taken: set[str]) -> int:
@@ -103,15 +123,20 @@ def attach_checkpoint_codes(model: nn.Module, source: Any, q: CheckpointQuant, t
             pieces.append(unpack(q, source.read(f"{p}.qweight"), source.read(f"{p}.qzeros"),
                                  source.read(f"{p}.scales"), g_idx, p))
             taken.update(f"{p}.{s}" for s in SUFFIXES if f"{p}.{s}" in names)
-        if len({g for *_, g in pieces}) != 1:
+        if len({g for *_, g, _ in pieces}) != 1:
             raise ValueError(f"{name}: its parts {parts} have different group sizes")
+        perm = pieces[0][4]
+        if any((o is None) != (perm is None) or (o is not None and not torch.equal(o, perm)) for *_, o in pieces):
+            raise ValueError(f"{name}: its parts {parts} order their groups by activation differently (g_idx); "
+                             "kvforge multiplies them as one matrix, which needs one input order")
         codes = torch.cat([c for c, *_ in pieces])
         if tuple(codes.shape) != tuple(module.weight.shape):
             raise ValueError(f"{name}: {q.method} codes of shape {tuple(codes.shape)}, the model expects "
                              f"{tuple(module.weight.shape)}")
-        qw = dataclasses.replace(pack_codes(codes, torch.cat([s for _, s, _, _ in pieces]),
-                                            torch.cat([o for _, _, o, _ in pieces]), q.bits, pieces[0][3]),
-                                 fitted_by=f"from the {q.method.upper()} checkpoint")
+        qw = dataclasses.replace(pack_codes(codes, torch.cat([s for _, s, *_ in pieces]),
+                                            torch.cat([o for _, _, o, *_ in pieces]), q.bits, pieces[0][3]),
+                                 fitted_by=f"from the {q.method.upper()} checkpoint"
+                                 + (" in activation order" if perm is not None else ""), perm=perm)
         attach_with_embedding(module, qw, tied)
         done += 1
     return done

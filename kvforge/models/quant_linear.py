@@ -97,7 +97,11 @@ class QuantWeight:
     what is computed) keeps int8's layout; int4 (`quantization="w4a8"`, `reference_a8w4`) has its own:
     codes [panels, ceil(K/8), 16, 4] bytes, byte b of a column at k8 holding k = 8 k8 + b in its low nibble
     and k = 8 k8 + 4 + b in its high one, so that `vpdpbusd` reads 4 consecutive k per column as stored;
-    its scales and offsets are fp16."""
+    its scales and offsets are fp16.
+    perm: None, or int32 [K] (a GPTQ checkpoint's groups in activation order, `models/hf_quant.py`): stored k
+    multiplies input x[perm[k]]. The codes are laid out with each group's inputs side by side, and the kernel
+    gathers the activations to that order first (`kvf_qlinear_desc` in C, `quant_linear` here); `dequantize`
+    gives the weight back in the model's input order."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -108,10 +112,15 @@ class QuantWeight:
     group: int
     act_int8: bool = False
     fitted_by: str | None = None  # how the codes were chosen when not rounded group by group (e.g. "GPTQ")
+    perm: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.perm is not None and (self.act_int8 or self.perm.dtype != torch.int32 or self.perm.shape != (self.k,)):
+            raise ValueError(f"perm must be int32 [{self.k}] on a weight with activations in the model dtype")
 
     @property
     def nbytes(self) -> int:
-        extra = self.offsets.numel() * self.offsets.element_size() if self.offsets is not None else 0
+        extra = sum(t.numel() * t.element_size() for t in (self.offsets, self.perm) if t is not None)
         return self.codes.numel() + self.scales.numel() * self.scales.element_size() + extra
 
     @property
@@ -301,13 +310,16 @@ def _unpanel(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
 
 def dequantize(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 weight [N, K] (or the given output rows) the kernel multiplies: each element is code x scale
-    (+ offset) rounded once to fp32, as the kernel's fp32 multiply (int8) or FMA (int4) rounds it."""
+    (+ offset) rounded once to fp32, as the kernel's fp32 multiply (int8) or FMA (int4) rounds it; in the
+    model's input order (a `perm` undone)."""
     cols = torch.arange(qw.n) if rows is None else rows
     g = torch.arange(qw.k) // qw.group
     s = qw.scales[:, cols].t().double()[:, g]
     w = _unpanel(qw, rows).double() * s
     if qw.offsets is not None:
         w = w + qw.offsets[:, cols].t().double()[:, g]  # exact in float64, then one rounding, as an FMA
+    if qw.perm is not None:
+        w = torch.empty_like(w).index_copy_(1, qw.perm.long(), w)
     return w.float()
 
 
@@ -321,7 +333,8 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
         raise ValueError(f"quant_linear takes fp32 or bf16 CPU x with last dim {qw.k}, got {tuple(x.shape)} "
                          f"{x.dtype} on {x.device}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, qw.k).contiguous()
+    x2 = x.reshape(-1, qw.k)
+    x2 = x2.index_select(1, qw.perm) if qw.perm is not None else x2.contiguous()  # inputs in the codes' order
     m = x2.shape[0]
     y = torch.empty(m, qw.n, dtype=x.dtype)
     if m == 0:

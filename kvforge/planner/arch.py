@@ -106,6 +106,26 @@ def linear_rows(cfg: dict[str, Any]) -> int:
     return rows
 
 
+def matmul_inputs(cfg: dict[str, Any]) -> int:
+    """Input widths (K) of the decoder layers' matmuls as the engine stacks them (q|k|v, o, gate|up, down; per
+    expert, and the router): what a per-input order costs, 4 bytes each (GPTQ in activation order). MLA's
+    projections counted at the hidden size each."""
+    cfg = text_config(cfg)
+    hidden = _req(cfg, "hidden_size")
+    layers = _req(cfg, "num_hidden_layers")
+    if is_mla(cfg):
+        return 5 * hidden * layers
+    out = 0
+    for layer in range(layers):
+        out += hidden + _req(cfg, "num_attention_heads") * head_dim(cfg)
+        experts, shared, inter = _moe_width(cfg, layer)
+        if experts:
+            out += (experts + shared) * (hidden + inter) + hidden
+        else:
+            out += hidden + _req(cfg, "intermediate_size")
+    return out
+
+
 def vocab_hidden(cfg: dict[str, Any]) -> int:
     """One vocab x hidden matrix: the embedding table, and the lm_head (the same one when tied)."""
     cfg = text_config(cfg)

@@ -6,7 +6,8 @@ blocks. The plan counts them as the engine stores them (`models/quant_linear.py`
 - the decoder layers' linear weights (attention and MLP, routers and biases included) at the format's bytes
   per weight: int8 codes 1 byte; int4 codes half a byte, plus an fp32 scale and offset per group of
   `group` weights (fp16 ones for w4a8); a GPTQ / AWQ checkpoint's groups are stored as int4's (8-bit GPTQ
-  as int8 codes with a scale and offset per group);
+  as int8 codes with a scale and offset per group; in activation order, plus an int32 input order per
+  matmul);
 - the lm_head: int8 under kvforge's own formats (`layer_method`: it keeps the logits within int8's error),
   and a tied embedding reads those codes, so a tied matrix is counted once; a GPTQ / AWQ checkpoint keeps its
   lm_head and embeddings as written (the model dtype);
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvforge import ledger
+from kvforge.checkpoint_quant import parse_quantization_config
 from kvforge.config import WEIGHT_QUANTIZATIONS
 from kvforge.planner import arch
 
@@ -62,6 +64,9 @@ def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = No
         out += 4 * arch.linear_rows(cfg)  # a scale per output channel
     if quantization in ("gptq", "awq"):  # the checkpoint's lm_head and embeddings, as written
         out += vocab_matrix * (1 if tied else 2) * elem
+        declared = cfg.get("quantization_config")
+        if declared and parse_quantization_config(declared).desc_act:  # an int32 input order per matmul
+            out += 4 * arch.matmul_inputs(cfg)
     else:  # an int8 lm_head (a scale per vocabulary row); a tied embedding reads its codes, an untied one stays dense
         out += vocab_matrix * 1.0 + 4 * arch.vocab_size(cfg) + (0 if tied else vocab_matrix * elem)
     return int(out)

@@ -1124,6 +1124,7 @@ typedef struct {
     int64_t group;
     int64_t bits;
     int64_t act8; /* 1: int8 activations in groups along K (`kvf_qlinear_a8`, int8 per channel; `kvf_qlinear_a8w4`, int4) */
+    const int32_t *perm; /* NULL, or [K]: stored k multiplies input x[perm[k]] (a GPTQ checkpoint in activation order) */
 } kvf_qdesc;
 
 int kvf_qlinear_desc(const void *x, int x_bf16, int64_t M, int64_t K, const void *desc, int64_t N, void *y,
@@ -1132,7 +1133,25 @@ int kvf_qlinear_desc(const void *x, int x_bf16, int64_t M, int64_t K, const void
     if (d->act8 && d->bits == 4)
         return kvf_qlinear_a8w4(x, x_bf16, M, K, d->codes, d->scales, d->offsets, d->group, N, NULL, y, nthreads);
     if (d->act8) return kvf_qlinear_a8(x, x_bf16, M, K, d->codes, d->scales, N, NULL, y, nthreads);
-    return kvf_qlinear(x, x_bf16, M, K, d->codes, (int)d->bits, d->scales, d->offsets, d->group, N, NULL, y, nthreads);
+    if (!d->perm)
+        return kvf_qlinear(x, x_bf16, M, K, d->codes, (int)d->bits, d->scales, d->offsets, d->group, N, NULL, y,
+                           nthreads);
+    /* the inputs gathered into the codes' order: M x K values, a few KiB a decode row */
+    size_t esz = x_bf16 ? 2 : 4;
+    char *xp = malloc((size_t)(M * K) * esz);
+    if (!xp) return -1;
+    for (int64_t i = 0; i < M; i++) {
+        const char *src = (const char *)x + (size_t)(i * K) * esz;
+        char *dst = xp + (size_t)(i * K) * esz;
+        if (x_bf16)
+            for (int64_t k = 0; k < K; k++) ((uint16_t *)dst)[k] = ((const uint16_t *)src)[d->perm[k]];
+        else
+            for (int64_t k = 0; k < K; k++) ((float *)dst)[k] = ((const float *)src)[d->perm[k]];
+    }
+    int rc = kvf_qlinear(xp, x_bf16, M, K, d->codes, (int)d->bits, d->scales, d->offsets, d->group, N, NULL, y,
+                         nthreads);
+    free(xp);
+    return rc;
 }
 
 /* ---- int4 weight quantization: each group's scale and offset chosen by a search ----
