@@ -315,32 +315,58 @@ def test_both_sends_decode_rows_to_the_panel_kernel_and_larger_calls_to_onednn(m
     assert "KVFORGE_LINEAR=both" in _describe_linear(model)
 
 
-def test_kvforge_linear_panel_packs_fp32_layers_and_the_tied_copy(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kvforge_linear_panel_packs_the_tied_lm_head_in_place_and_the_embedding_reads_its_panels(monkeypatch, dtype):
+    """A tied lm_head in the panel layout keeps no dense copy: the embedding table reads its rows out of the
+    panels, bitwise the dense rows, and the weights are counted once (padded to whole panels)."""
+    from torch import nn
+
+    from kvforge.engine.startup_report import _describe_linear, weights_bytes
+    from kvforge.models.linear import Linear, PanelEmbedding, pack_linear_weights
+
+    if not (pl.available(dtype) and pl.simd(dtype)):
+        pytest.skip(f"no SIMD panel kernel for {dtype} on this CPU")
+    monkeypatch.setenv("KVFORGE_LINEAR", "panel")
+    torch.manual_seed(4)
+    emb = nn.Embedding(50, 23).to(dtype)  # odd K: bf16 panels pad a zero k
+    tied = Linear(23, 50, bias=False).to(dtype)
+    tied.weight = emb.weight
+    model = nn.ModuleList([emb, Linear(23, 40).to(dtype), tied])
+    x = torch.randn(3, 23).to(dtype)
+    ids = torch.tensor([[0, 7, 49], [16, 15, 33]])
+    with torch.no_grad():
+        before, rows = [model[1](x), tied(x)], emb(ids)
+        size = weights_bytes(model)
+        assert pack_linear_weights(model, copy_shared=True) == 2
+        assert isinstance(model[0], PanelEmbedding) and model[0].panel_weight is tied.panel_weight
+        assert not tied.packed_copy and tied.weight.numel() == 0 and model[1].weight.numel() == 0
+        assert torch.equal(model[0](ids), rows)
+        for a, b in zip(before, [model[1](x), tied(x)]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    pad_k = 23 + 23 % 2 if dtype == torch.bfloat16 else 23  # panels of 16 columns: 50 -> 64, 40 -> 48
+    el = torch.finfo(dtype).bits // 8
+    assert weights_bytes(model) == size - 50 * 23 * el + 64 * pad_k * el + (48 * pad_k - 40 * 23) * el
+    assert "packed copy" not in _describe_linear(model)
+
+
+def test_a_tied_weight_whose_other_holder_is_not_an_embedding_keeps_a_packed_copy(monkeypatch):
     from torch import nn
 
     from kvforge.engine.startup_report import weights_bytes
     from kvforge.models.linear import Linear, pack_linear_weights
 
+    class Shard(nn.Module):  # e.g. a tensor-parallel vocabulary shard: it reads the dense weight its own way
+        def __init__(self, weight: nn.Parameter) -> None:
+            super().__init__()
+            self.weight = weight
+
     monkeypatch.setenv("KVFORGE_LINEAR", "panel")
-    torch.manual_seed(4)
-    emb = nn.Embedding(50, 24)
     tied = Linear(24, 50, bias=False)
-    tied.weight = emb.weight
-    model = nn.ModuleList([emb, Linear(24, 40), tied, Linear(24, 8).to(torch.bfloat16)])
-    x = torch.randn(3, 24)
-    with torch.no_grad():
-        before = [model[1](x), tied(x)]
-        size = weights_bytes(model)
-        assert pack_linear_weights(model, copy_shared=True) >= 2
-        assert model[1].panel_weight is not None and tied.panel_weight is not None and tied.packed_copy
-        # bf16: the panel kernel where its AVX512-BF16 path is built, else oneDNN (or dense)
-        assert (model[3].panel_weight is not None) == pl.simd(torch.bfloat16)
-        assert model[1].weight.numel() == 0 and tied.weight is emb.weight
-        for a, b in zip(before, [model[1](x), tied(x)]):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    # the tied copy is extra bytes, padded to whole panels of 16 columns (50 -> 64)
-    bf16_pad = (16 - 8) * 24 * 2 if pl.simd(torch.bfloat16) else 0
-    assert weights_bytes(model) == size + 64 * 24 * 4 + (48 - 40) * 24 * 4 + bf16_pad
+    model = nn.ModuleList([Shard(tied.weight), tied])
+    size = weights_bytes(model)
+    assert pack_linear_weights(model, copy_shared=True) == 1
+    assert tied.packed_copy and tied.weight is model[0].weight and tied.panel_weight is not None
+    assert weights_bytes(model) == size + 64 * 24 * 4
 
 
 def test_kvforge_linear_rejects_unknown_backend(monkeypatch):

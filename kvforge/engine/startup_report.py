@@ -12,7 +12,7 @@ import torch
 from kvforge import envs
 from kvforge.attention import describe_backend
 from kvforge.config import ModelConfig
-from kvforge.models.linear import PANEL_DECODE_ROWS, Linear
+from kvforge.models.linear import PANEL_DECODE_ROWS, Linear, PanelEmbedding
 from kvforge.models import weight_quant
 from kvforge.models.panel_linear import bf16_gemm_mode
 from kvforge.models.quant_linear import simd_level
@@ -205,6 +205,8 @@ def _describe_linear_packed(model: torch.nn.Module) -> str:
     extra = sum(m.packed_nbytes for m in copies)
     what = "a shared weight (tied lm_head)" if len(copies) == 1 else f"{len(copies)} shared weights"
     note = f", +{extra / 2**20:.1f} MiB for a packed copy of {what}" if copies else ""
+    if any(isinstance(m, PanelEmbedding) for m in model.modules()):
+        note += ", the tied embedding read from the lm_head's panels"
     panel = [m for m in packed if getattr(m, "panel_weight", None) is not None]
     both = [m for m in panel if getattr(m, "onednn_weight", None) is not None]
     if both:  # two layouts per weight: the second one is extra bytes too, say how many

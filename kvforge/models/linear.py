@@ -13,11 +13,15 @@ weight is re-laid out once in oneDNN's blocked format, so no call reorders it
 again; measured on the offline benchmark, +18% (fp32) and +20% (bf16) output
 tokens/s. The dense copy is released (the packed one replaces it, same bytes),
 so a packed layer is inference-only. Weights read directly elsewhere (MLA's
-absorbed kv_b_proj) are left dense. A weight shared with another module (a
-tied lm_head: the embedding lookup needs the dense rows) gets a packed *copy*:
-extra bytes, counted in the start-up ledger's weights line, for the one matmul
-that runs every step over the whole vocabulary (measured 1.3x (fp32) and 1.6x
-(bf16) faster at 32 rows).
+absorbed kv_b_proj) are left dense. A weight shared with an embedding table
+(a tied lm_head) is packed too: the one matmul that runs every step over the
+whole vocabulary (measured 1.3x (fp32) and 1.6x (bf16) faster at 32 rows).
+In the panel layout alone the table then reads its rows out of the panels
+(`PanelEmbedding`, `panel_linear.panel_rows`: the same values) and the dense
+matrix is released, as a quantized tied lm_head's codes serve both
+(`weight_quant.QuantEmbedding`); otherwise (oneDNN's layout, or a holder other
+than a plain `nn.Embedding`, e.g. a tensor-parallel shard) it gets a packed
+*copy*: extra bytes, counted in the start-up ledger's weights line.
 `KVFORGE_ONEDNN_LINEAR=0` turns all of this off.
 
 `KVFORGE_LINEAR` picks the layout CPU weights are packed in (the tied lm_head
@@ -48,7 +52,7 @@ from torch import nn
 
 from kvforge import envs
 from kvforge.envs import LINEAR_BACKENDS
-from kvforge.models.panel_linear import PanelWeight, pack_panels, panel_linear, panel_linear_silu_mul
+from kvforge.models.panel_linear import PanelWeight, pack_panels, panel_linear, panel_linear_silu_mul, panel_rows
 from kvforge.models.panel_linear import available as panel_kernel_available
 from kvforge.models.panel_linear import simd as panel_kernel_simd
 from kvforge.models.panel_linear import unavailable_reason as panel_unavailable_reason
@@ -211,28 +215,58 @@ class Linear(nn.Linear):
         return True
 
 
+class PanelEmbedding(nn.Module):
+    """An embedding table read from a tied lm_head's panel layout: each looked-up row is gathered out of the
+    panels (`panel_rows`), bitwise the dense row, so the model keeps one copy of its largest matrix."""
+
+    def __init__(self, pw: PanelWeight) -> None:
+        super().__init__()
+        self.panel_weight = pw
+        self.num_embeddings, self.embedding_dim = pw.n, pw.k
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = panel_rows(self.panel_weight, input_ids.reshape(-1).cpu())
+        return rows.view(*input_ids.shape, self.embedding_dim).to(input_ids.device)
+
+
 def pack_linear_weights(
     model: nn.Module, batch_hint: int = PACK_BATCH_HINT, copy_shared: bool = True
 ) -> int:
     """Pack every `Linear` of `model`; returns how many were packed. A weight no other module holds
-    is packed in place; a shared one (tied lm_head) gets a packed copy when `copy_shared` (it pays: the
-    lm_head is the widest matmul of a step), else stays dense.
+    is packed in place. A shared one (tied lm_head) is packed when `copy_shared` (it pays: the lm_head is
+    the widest matmul of a step), else stays dense: in place where the panel layout alone holds it and every
+    other holder is a plain `nn.Embedding`, which then reads the panels (`PanelEmbedding`); else as a copy.
 
     Call after the model has its final dtype and device: a packed layer cannot be moved or cast.
     """
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     backend = linear_backend(dtypes.pop() if len(dtypes) == 1 else torch.float32)
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    holders: dict[int, list[tuple[nn.Module, str, nn.Module]]] = {}
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            for p in child.parameters(recurse=False):
+                holders.setdefault(id(p), []).append((parent, name, child))
+    for p in model.parameters(recurse=False):
+        holders.setdefault(id(p), []).append((model, "", model))
     packed = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            shared = owners.get(id(module.weight), 0) > 1
-            if not shared or copy_shared:
-                packed += module.pack(batch_hint, keep_dense_copy=shared, backend=backend)
-                # the dense weight just freed stays resident in the heap until trimmed: without this the
-                # default model's load peaked ~220 MiB above its packed weights
-                release_freed_memory()
+    for module in list(model.modules()):
+        if not isinstance(module, Linear):
+            continue
+        others = [h for h in holders.get(id(module.weight), []) if h[2] is not module]
+        if others and not copy_shared:
+            continue
+        tables = [h for h in others if type(h[2]) is nn.Embedding]
+        in_place = len(tables) == len(others) and backend == "panel"  # panels alone, read back by the tables
+        if not module.pack(batch_hint, keep_dense_copy=bool(others) and not in_place, backend=backend):
+            continue
+        packed += 1
+        if others and in_place:
+            if module.panel_weight is not None and module.onednn_weight is None:
+                for parent, name, _ in tables:
+                    setattr(parent, name, PanelEmbedding(module.panel_weight))
+            else:  # no panel kernel for this dtype: oneDNN's layout, which the tables cannot read; keep theirs
+                module.weight, module.packed_copy = tables[0][2].weight, True
+        # the dense weight just freed stays resident in the heap until trimmed: without this the
+        # default model's load peaked ~220 MiB above its packed weights
+        release_freed_memory()
     return packed

@@ -176,6 +176,18 @@ def pack_panels(weight: torch.Tensor) -> PanelWeight:
     return PanelWeight(padded.view(-1, nr, (k + 1) // 2, 2).transpose(1, 2).contiguous(), n, k)
 
 
+def panel_rows(pw: PanelWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of the dense [N, K] weight, read out of its panels: row r is column r % NR of panel r // NR, the
+    same values (a tied embedding's lookup reads the lm_head's panels this way, so no dense copy is kept)."""
+    rows = rows.reshape(-1).to(torch.int64)
+    nr = pw.packed.shape[2]
+    panels, cols = rows // nr, rows % nr
+    if pw.packed.dim() == 3:  # fp32 [panels, K, NR]
+        return pw.packed[panels, :, cols]
+    pairs = pw.packed.view(*pw.packed.shape[:2], -1).view(torch.int32)  # bf16 [panels, K/2, NR, 2]: a k-pair a word
+    return pairs[panels, :, cols].view(torch.bfloat16)[:, :pw.k]
+
+
 def panel_linear(x: torch.Tensor, pw: PanelWeight, bias: torch.Tensor | None = None,
                  num_threads: int | None = None) -> torch.Tensor:
     """x[..., K] @ W^T (+ bias) for CPU x in the weight's dtype; leading dims are flattened into rows
