@@ -15,7 +15,7 @@ codes) is compared with the Python layers on the same engine. Weight bytes are t
     python benchmarks/weight_quant_e2e.py --model-size 1b --formats none int8 w8a8_int8 w4a8 --group-size 128 \
         --rounds 5 --save FILE
     python benchmarks/weight_quant_e2e.py --model-size 1b --formats none int4 --group-size 128 \
-        --checkpoints DIR_IN_ORDER DIR_ACT_ORDER          # GPTQ / AWQ folders (benchmarks/gptq_checkpoints.py)
+        --checkpoints DIR_IN_ORDER DIR_ACT_ORDER          # GPTQ / AWQ folders (benchmarks/quantized_checkpoints.py)
 
 `--checkpoints` adds pre-quantized folders, each an engine on its own codes, named by its folder.
 """

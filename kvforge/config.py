@@ -32,8 +32,9 @@ KV_QUANTIZED_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8", "int4")  # canonical name
 KV_CACHE_SCALES = KV_SCALE_GRANULARITIES
 # weight-only quantization of the linear layers at load (kvforge/models/weight_quant.py); int4 group sizes along K
 # gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K codes; w8a8_int8 (SGLang's name): int8's codes read with
-# int8 activations quantized per row in groups of 32 k (models/quant_linear.py); w4a8: int4's groups read with int8 activations
-WEIGHT_QUANTIZATIONS = ("int8", "int4", "w8a8_int8", "w4a8", "gguf", "gptq", "awq")
+# int8 activations quantized per row in groups of 32 k (models/quant_linear.py); w4a8: int4's groups read with int8 activations;
+# gptq / awq / compressed-tensors: a pre-quantized checkpoint's own codes (checkpoint_quant.py)
+WEIGHT_QUANTIZATIONS = ("int8", "int4", "w8a8_int8", "w4a8", "gguf", "gptq", "awq", "compressed-tensors")
 # `kvforge eval weights` formats: "none" is the checkpoint's weights in the model dtype (the reference)
 WEIGHT_FORMAT_NAMES = ("none", "int8", "int4", "w8a8_int8", "w4a8")
 INT4_GROUP_SIZES = (32, 64, 128)

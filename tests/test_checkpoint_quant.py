@@ -147,9 +147,7 @@ CASES = [("gptq", 32, False, "gptq", 4, None), ("gptq", 64, True, "gptq", 4, Non
 def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, sym, fmt, bits, act_order):
     """Auto-detected from config.json; every linear holds exactly (q - zero) x scale (in activation order too);
     greedy tokens and top logprobs equal a dense fp32 checkpoint of those weights."""
-    from test_weight_quant import assert_same_greedy_outputs
-
-    from kvforge import LLM, SamplingParams
+    from kvforge import LLM
 
     dense = _write_quantized(tiny, str(tmp_path / "q"), method, group, sym, fmt, act_order, bits=bits)
     llm = LLM(model=str(tmp_path / "q"), dtype="float32", enable_prefix_caching=False, log_ledger=False,
@@ -173,20 +171,36 @@ def test_checkpoint_codes_are_served_as_written(tiny, tmp_path, method, group, s
     from kvforge.planner.presets import load_model
     from kvforge.planner.weights import weight_bytes
 
-    _, cfg = load_model(str(tmp_path / "q"))  # `kvforge plan` counts the bytes the engine holds
-    assert plan_weight_format(cfg, None, None) == (method, group, bits)
+    assert check_plan_and_tokens(llm, tiny, str(tmp_path / "q"), str(tmp_path / "d"), dense) == (method, group, bits)
+
+
+def check_plan_and_tokens(llm, src: str, path: str, dense_path: str, dense: dict[str, torch.Tensor]) -> tuple:
+    """`kvforge plan` counts the bytes the engine holds for the checkpoint at `path`, and its greedy tokens and
+    top logprobs equal a dense fp32 checkpoint of the weights it stands for (`dense`, written from `src` to
+    `dense_path`). Returns the plan's (format, group, bits)."""
+    from test_weight_quant import assert_same_greedy_outputs
+
+    from kvforge import LLM, SamplingParams
+    from kvforge.commands.plan import plan_weight_format
+    from kvforge.engine.startup_report import weights_bytes
+    from kvforge.planner.presets import load_model
+    from kvforge.planner.weights import weight_bytes
+
+    model = llm.engine.model
+    _, cfg = load_model(path)
+    planned = plan_weight_format(cfg, None, None)
     # a tied lm_head left dense is packed in place, the embedding reading its panels (models/linear.py); where
     # the CPU has no panel kernel it gets a packed copy instead, which the plan, as for any model, leaves out
     packed_copy = model.lm_head.packed_nbytes if model.lm_head.packed_copy else 0
-    assert weight_bytes(cfg, "float32", method, group, bits) == weights_bytes(model) - packed_copy
+    assert weight_bytes(cfg, "float32", *planned) == weights_bytes(model) - packed_copy
     prompts = ["hello there, quantized world", "abc" * 20]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
     got = llm.generate(prompts, params)
-    _write_dense(tiny, str(tmp_path / "d"), dense)
-    ref_llm = LLM(model=str(tmp_path / "d"), dtype="float32", enable_prefix_caching=False, log_ledger=False,
-                  num_kv_blocks=64)
+    _write_dense(src, dense_path, dense)
+    ref_llm = LLM(model=dense_path, dtype="float32", enable_prefix_caching=False, log_ledger=False, num_kv_blocks=64)
     assert ref_llm.engine.config.model_options.quantization is None
     assert_same_greedy_outputs(got, ref_llm.generate(prompts, params))
+    return planned
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, read_checkpoint_quant
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, label, read_checkpoint_quant
 from kvforge.config import INT4_GROUP_SIZES, SUPPORTED_DTYPES, WEIGHT_FORMAT_NAMES
 from kvforge.flags import flag_errors
 
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--formats takes {', '.join(EVAL_FORMATS)}, got {args.formats!r}")
     declared = read_checkpoint_quant(args.model)
     if declared is not None and formats != [declared.method]:
-        raise ValueError(f"--model {args.model!r} holds {declared.method.upper()} codes, so every row would be them: "
+        raise ValueError(f"--model {args.model!r} holds {label(declared.method)} codes, so every row would be them: "
                          f"score them with --formats {declared.method} (and the unquantized model in a run of its own)")
     if "gguf" in formats and args.model is not None and not str(args.model).endswith(".gguf"):
         raise ValueError(f"--formats gguf keeps a .gguf file's own codes; --model {args.model!r} is not a .gguf file")

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kvforge.checkpoint_quant import parse_quantization_config
+from kvforge.checkpoint_quant import label as checkpoint_label, parse_quantization_config
 from kvforge.config import INT4_GROUP_SIZES, CacheConfig
 from kvforge.flags import default_of
 from kvforge.ledger import parse_bytes
@@ -109,12 +109,12 @@ def plan_weight_format(cfg: dict, quantization: str | None, group: int | None) -
     code width (a GPTQ checkpoint's 4 or 8 bits)."""
     declared = parse_quantization_config(cfg["quantization_config"]) if cfg.get("quantization_config") else None
     if declared is not None and quantization not in (None, declared.method):
-        raise ValueError(f"the model holds {declared.method.upper()} codes (its quantization_config); "
+        raise ValueError(f"the model holds {checkpoint_label(declared.method)} codes (its quantization_config); "
                          f"--quantization {quantization} cannot apply to them")
     if declared is not None:
         own = declared.group or int(arch.text_config(cfg)["hidden_size"])  # group_size -1: one group per row
         if group is not None and group != own:
-            raise ValueError(f"the model's {declared.method.upper()} codes come in groups of {own}; "
+            raise ValueError(f"the model's {checkpoint_label(declared.method)} codes come in groups of {own}; "
                              f"--quantization-group-size {group} cannot apply to them")
         return declared.method, own, declared.bits
     if quantization in ("gptq", "awq"):

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, read_checkpoint_quant
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, label, read_checkpoint_quant
 from kvforge.config import (
     ATTENTION_BACKENDS, INT4_GROUP_SIZES, SUPPORTED_DTYPES, WEIGHT_QUANTIZATIONS, CacheConfig, SchedulerConfig,
 )
@@ -51,7 +51,8 @@ class ModelOptions:
         "int4 = groups along K (--quantization-group-size), gguf = a .gguf file's own Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
         "codes; activations stay in --dtype, except w8a8_int8 = int8's codes with activations quantized to int8 "
         "per row in groups of 32 k (int8 x int8 products: faster batches and prefill), w4a8 = int4's groups (a multiple of 32) read with those int8 activations (the fastest single stream); the lm_head keeps int8 weight-only; "
-        "gptq / awq = a GPTQ (4- or 8-bit) / AWQ checkpoint's own codes (the default for one: read from its config.json)",
+        "gptq / awq / compressed-tensors = a GPTQ (4- or 8-bit) / AWQ / llm-compressor (W4A16, W8A16, W8A8 int8) "
+        "checkpoint's own codes (the default for one: read from its config.json)",
         choices=WEIGHT_QUANTIZATIONS)
     quantization_group_size: int = option(32, "int4 / w4a8: weights per scale along K", choices=INT4_GROUP_SIZES)  # type: ignore[arg-type]
     quantization_calibration_tokens: int = option(
@@ -92,7 +93,7 @@ class ModelOptions:
         if declared is not None and self.quantization is None:
             object.__setattr__(self, "quantization", declared.method)
         elif declared is not None and self.quantization != declared.method:
-            raise ValueError(f"model {self.model!r} holds {declared.method.upper()} codes (config.json's quantization_config); "
+            raise ValueError(f"model {self.model!r} holds {label(declared.method)} codes (config.json's quantization_config); "
                              f"quantization={self.quantization!r} cannot apply to its codes: leave quantization unset "
                              f"or pass {declared.method!r}")
         elif declared is None and self.quantization in CHECKPOINT_QUANT_METHODS:

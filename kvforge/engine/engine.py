@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvforge.attention import check_backend_device
-from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, label
 from kvforge.config import ModelConfig, torch_dtype
 from kvforge.engine.args import EngineConfig
 from kvforge.engine.cuda_graphs import decode_graphs_for
@@ -77,7 +77,7 @@ class LLMEngine:
                                           f"{opts.quantization_calibration_tokens} calibration tokens")
         elif opts.quantization:
             stages.insert(quantize_stage, "attaching the GGUF file's codes" if opts.quantization == "gguf"
-                          else f"attaching the {opts.quantization.upper()} checkpoint's codes"
+                          else f"attaching the {label(opts.quantization)} checkpoint's codes"
                           if opts.quantization in CHECKPOINT_QUANT_METHODS
                           else f"quantizing linear layers to {opts.quantization}")
         with StageProgress(f"loading {opts.model or DEFAULT_MODEL_NAME}", stages, quiet=not config.log_ledger) as p:

@@ -139,7 +139,7 @@ def build_column(
         per_block=ledger.kv_bytes_per_block(shape, bs, fmt),
         per_seq=ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
         batch_bytes=opts.batch * ledger.kv_bytes_for_sequence(shape, opts.seq_len, fmt, bs),
-        extra=extra, weights_format=weights_format_label(quantization, group, wdtype, bits) if quantization else None,
+        extra=extra, weights_format=weights_format_label(quantization, group, wdtype, bits, cfg) if quantization else None,
     )
     if opts.gpu_memory is not None:
         try:

@@ -7,7 +7,8 @@ blocks. The plan counts them as the engine stores them (`models/quant_linear.py`
   per weight: int8 codes 1 byte; int4 codes half a byte, plus an fp32 scale and offset per group of
   `group` weights (fp16 ones for w4a8); a GPTQ / AWQ checkpoint's groups are stored as int4's (8-bit GPTQ
   as int8 codes with a scale and offset per group; in activation order, plus an int32 input order per
-  matmul);
+  matmul); a compressed-tensors checkpoint's at its code width, with an fp32 scale (and offset, but for
+  symmetric 8-bit) per group or per output channel;
 - the lm_head: int8 under kvforge's own formats (`layer_method`: it keeps the logits within int8's error),
   and a tied embedding reads those codes, so a tied matrix is counted once; a GPTQ / AWQ checkpoint keeps its
   lm_head and embeddings as written (the model dtype);
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvforge import ledger
-from kvforge.checkpoint_quant import parse_quantization_config
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, parse_quantization_config
 from kvforge.config import WEIGHT_QUANTIZATIONS
 from kvforge.planner import arch
 
@@ -39,12 +40,19 @@ def linear_bytes_per_weight(quantization: str, group: int, bits: int = 4) -> flo
     raise ValueError(f"--quantization must be one of {', '.join(PLAN_WEIGHT_FORMATS)}, got {quantization!r}")
 
 
-def format_label(quantization: str | None, group: int, wdtype: str, bits: int = 4) -> str:
+def format_label(quantization: str | None, group: int, wdtype: str, bits: int = 4,
+                 cfg: dict[str, Any] | None = None) -> str:
+    """e.g. "int4 g32", "gptq g128", "compressed-tensors int8 per channel" (a checkpoint's own groups, from
+    `cfg`'s quantization_config)."""
     if quantization is None:
         return wdtype
     if quantization in ("int8", "w8a8_int8"):
         return quantization
-    return f"{quantization}{' int8' if bits == 8 else ''} g{group}"
+    declared = (parse_quantization_config(cfg["quantization_config"])
+                if cfg and quantization in CHECKPOINT_QUANT_METHODS and cfg.get("quantization_config") else None)
+    groups = "per channel" if declared is not None and declared.group is None else f"g{group}"
+    acts = " x int8 activations" if declared is not None and declared.act_int8 else ""
+    return f"{quantization}{' int8' if bits == 8 else ''} {groups}{acts}"
 
 
 def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = None, group: int = 32,
@@ -59,10 +67,13 @@ def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = No
     vocab_matrix = arch.vocab_hidden(cfg)  # one vocab x hidden matrix
     tied = arch.is_tied(cfg)
     rest = total - linear - vocab_matrix * (1 if tied else 2)
-    out = linear * linear_bytes_per_weight(quantization, group, bits) + rest * elem
+    if quantization == "compressed-tensors":
+        out = linear * bits / 8 + rest * elem + _compressed_tensors_params(cfg, linear)
+    else:
+        out = linear * linear_bytes_per_weight(quantization, group, bits) + rest * elem
     if quantization in ("int8", "w8a8_int8"):
         out += 4 * arch.linear_rows(cfg)  # a scale per output channel
-    if quantization in ("gptq", "awq"):  # the checkpoint's lm_head and embeddings, as written
+    if quantization in CHECKPOINT_QUANT_METHODS:  # the checkpoint's lm_head and embeddings, as written
         out += vocab_matrix * (1 if tied else 2) * elem
         declared = cfg.get("quantization_config")
         if declared and parse_quantization_config(declared).desc_act:  # an int32 input order per matmul
@@ -70,3 +81,11 @@ def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = No
     else:  # an int8 lm_head (a scale per vocabulary row); a tied embedding reads its codes, an untied one stays dense
         out += vocab_matrix * 1.0 + 4 * arch.vocab_size(cfg) + (0 if tied else vocab_matrix * elem)
     return int(out)
+
+
+def _compressed_tensors_params(cfg: dict[str, Any], linear: int) -> float:
+    """A compressed-tensors checkpoint's scales and offsets as the engine stores them: fp32, per group or per
+    output channel; no offsets for symmetric 8-bit weights (int8's own layout)."""
+    declared = parse_quantization_config(cfg["quantization_config"])
+    per_group = 4 if declared.bits == 8 and declared.symmetric else 8
+    return per_group * (arch.linear_rows(cfg) if declared.group is None else linear / declared.group)
