@@ -6,6 +6,7 @@ plain min/max rule, its dense reference being (q - zero) x scale computed here. 
 exactly those weights, and give the greedy tokens of a dense checkpoint of them."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -304,3 +305,27 @@ def test_config_fields(tmp_path):
     q = parse_quantization_config({"quant_method": "awq", "w_bit": 4, "q_group_size": 64})  # AutoAWQ's own names
     assert (q.method, q.group, q.zero_plus_one) == ("awq", 64, False)
     assert read_checkpoint_quant(str(tmp_path)) is None and read_checkpoint_quant(None) is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_weight_with_an_input_order_multiplies_and_looks_up_rows_in_model_order(bits):
+    """`QuantWeight.perm`: the kernel gathers x to the codes' order, and `dequantize` (what a tied embedding
+    reads, `QuantEmbedding`) gives rows back in the model's input order."""
+    torch.manual_seed(2)
+    n, k, group = 40, 96, 32
+    codes = (torch.randint(0, 16, (n, k), dtype=torch.uint8) if bits == 4
+             else torch.randint(-128, 128, (n, k), dtype=torch.int16).to(torch.int8))
+    scales, offsets = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
+    plain = quant_linear.pack_codes(codes, scales, offsets, bits, group)
+    perm = torch.randperm(k).to(torch.int32)
+    ordered = dataclasses.replace(plain, perm=perm)
+    w = dequantize(plain)  # the codes' own (stored) order
+    want = torch.empty_like(w)
+    want[:, perm.long()] = w  # stored column j multiplies input perm[j]
+    assert torch.equal(dequantize(ordered), want)
+    rows = torch.tensor([0, 17, 39])
+    assert torch.equal(dequantize(ordered, rows), want[rows])
+    x = torch.randn(5, k)
+    torch.testing.assert_close(quant_linear.quant_linear(x, ordered), x @ want.t(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="perm must be int32"):
+        dataclasses.replace(plain, perm=perm.long())
