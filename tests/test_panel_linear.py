@@ -491,3 +491,21 @@ def test_gated_mlp_takes_the_one_call_on_fp32_panel_weights(monkeypatch):
         assert mlp.gate_up_proj.silu_mul(x) is None
         two_calls = mlp(x)
     assert torch.equal(fused_out, two_calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(64, 40), (48, 37), (50, 40)])
+def test_packing_in_place_gives_the_same_panels_in_the_weights_own_memory(dtype, n, k):
+    """`pack_panels(in_place=True)` re-lays whole panels out inside the weight (no second copy alive at load);
+    where panels do not fill it exactly (N not whole panels; bf16: odd K) it copies, as without."""
+    if not pl.available(dtype):
+        pytest.skip(f"no panel kernel for {dtype}")
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k).to(dtype)
+    want = pl.pack_panels(w.clone())
+    got = pl.pack_panels(w, in_place=True)
+    assert torch.equal(got.packed, want.packed) and (got.n, got.k) == (n, k)
+    fits = n % want.packed.shape[2] == 0 and (dtype == torch.float32 or k % 2 == 0)  # panel width: 16 here
+    assert (got.packed.data_ptr() == w.data_ptr()) == fits
+    x = torch.randn(3, k).to(dtype)
+    assert torch.equal(pl.panel_linear(x, got), pl.panel_linear(x, want))

@@ -124,19 +124,22 @@ def _panel_preferred(dtype: torch.dtype) -> bool:
     return panel_kernel_available(kernel_dtype) and panel_kernel_simd(kernel_dtype)
 
 
-def _panel_layout_for(w: torch.Tensor, backend: str) -> PanelWeight | None:
-    """The panel layout this weight gets under `backend`, or None.
+def _panel_layout_for(w: torch.Tensor, backend: str, in_place: bool = False) -> PanelWeight | None:
+    """The panel layout this weight gets under `backend`, or None (then `w` is untouched).
 
     panel: fp32 always (an error without the kernel); bf16 where the bf16 kernel's AVX512-BF16 path is built.
     both: fp32 and bf16, each only where its kernel's SIMD path is built (AVX2+FMA, AVX512-BF16). A plain-C
-    panel kernel would be slower than oneDNN, so such weights keep oneDNN's layout alone."""
+    panel kernel would be slower than oneDNN, so such weights keep oneDNN's layout alone. `in_place`: the
+    panels may take `w`'s memory (`pack_panels`), which `both` never does (oneDNN reads the dense weight)."""
     if w.device.type != "cpu" or backend not in ("panel", "both") or w.dtype not in (torch.float32, torch.bfloat16):
         return None
+    in_place = in_place and backend == "panel"
     if backend == "both" or w.dtype != torch.float32:
-        return pack_panels(w.detach()) if panel_kernel_available(w.dtype) and panel_kernel_simd(w.dtype) else None
+        return (pack_panels(w.detach(), in_place) if panel_kernel_available(w.dtype) and panel_kernel_simd(w.dtype)
+                else None)
     if not panel_kernel_available():
         raise RuntimeError(f"KVFORGE_LINEAR={backend} but the panel kernel is unavailable: {panel_unavailable_reason()}")
-    return pack_panels(w.detach())
+    return pack_panels(w.detach(), in_place)
 
 
 class Linear(nn.Linear):
@@ -200,7 +203,8 @@ class Linear(nn.Linear):
         if self.keep_dense or w.device.type != "cpu" or self.quant_weight is not None:
             return False
         backend = backend or linear_backend(w.dtype)
-        self.panel_weight = _panel_layout_for(w, backend)
+        # no dense copy kept: the panels take the weight's own memory (no second copy alive while packing)
+        self.panel_weight = _panel_layout_for(w, backend, in_place=not keep_dense_copy)
         self.onednn_weight = None
         if (self.panel_weight is None or backend == "both") and ONEDNN_LINEAR and w.dtype in PACKABLE_DTYPES:
             self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)

@@ -154,8 +154,16 @@ class PanelWeight:
         return self.packed.dtype
 
 
-def pack_panels(weight: torch.Tensor) -> PanelWeight:
-    """Re-lay a dense [N, K] fp32 or bf16 CPU weight out in its kernel's panel layout (once, at load)."""
+_IN_PLACE_CHUNK = 1 << 22  # bytes of panels re-laid out at a time when packing in place
+
+
+def pack_panels(weight: torch.Tensor, in_place: bool = False) -> PanelWeight:
+    """Re-lay a dense [N, K] fp32 or bf16 CPU weight out in its kernel's panel layout (once, at load).
+
+    `in_place`: the weight's own memory becomes the panels (the weight is destroyed) where whole panels fill it
+    exactly (N a multiple of the panel width; bf16: K even). A panel is its 16 rows, transposed: re-laid out a
+    few MiB at a time, no second copy of the matrix is ever alive, so packing a model at load adds no peak
+    memory (a tied vocabulary matrix alone is 201 MB at 1B)."""
     if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
         raise ValueError(f"pack_panels takes a 2-D fp32 or bf16 CPU weight, got {tuple(weight.shape)} {weight.dtype} "
                          f"on {weight.device}")
@@ -164,12 +172,20 @@ def pack_panels(weight: torch.Tensor) -> PanelWeight:
     if lib is None:
         raise RuntimeError(f"panel linear kernel unavailable: {library.error}")
     n, k = weight.shape
+    nr = lib.kvf_panel_nr() if weight.dtype == torch.float32 else lib.kvf_panel_bf16_nr()
+    if in_place and n % nr == 0 and (weight.dtype == torch.float32 or k % 2 == 0) and weight.is_contiguous():
+        w = weight.detach()
+        rows = w.view(n // nr, nr, -1) if weight.dtype == torch.float32 else w.view(n // nr, nr, k // 2, 2)
+        step = max(1, _IN_PLACE_CHUNK // (nr * k * w.element_size()))
+        for p in range(0, n // nr, step):
+            block = rows[p:p + step]
+            block.view(-1).copy_(block.transpose(1, 2).contiguous().view(-1))  # [nr, K(/2), (2)] -> [K(/2), nr, (2)]
+        shape = (n // nr, k, nr) if weight.dtype == torch.float32 else (n // nr, k // 2, nr, 2)
+        return PanelWeight(w.view(shape), n, k)
     if weight.dtype == torch.float32:
-        nr = lib.kvf_panel_nr()
         padded = torch.zeros(-(-n // nr) * nr, k, dtype=torch.float32)
         padded[:n] = weight.detach()
         return PanelWeight(padded.view(-1, nr, k).transpose(1, 2).contiguous(), n, k)  # [panels, K, NR]
-    nr = lib.kvf_panel_bf16_nr()
     padded = torch.zeros(-(-n // nr) * nr, k + k % 2, dtype=torch.bfloat16)
     padded[:n, :k] = weight.detach()
     # [panels, NR, K/2, 2] -> [panels, K/2, NR, 2]: one k-pair of all NR columns per 64-byte line
