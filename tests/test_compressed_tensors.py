@@ -7,6 +7,7 @@ config, and its decompressors give the dense weight each layer stands for. kvfor
 weights and give the greedy tokens of a dense fp32 checkpoint of them."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -18,13 +19,13 @@ from kvforge.models import quant_linear
 from kvforge.models.linear import Linear
 from kvforge.models.quant_linear import dequantize
 
-ct = pytest.importorskip("compressed_tensors", reason="the compressed-tensors package is the referee ([test] extra)")
-from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor  # noqa: E402
-from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor  # noqa: E402
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme  # noqa: E402
-
-pytestmark = pytest.mark.skipif(quant_linear.LIBRARY.load() is None, reason="needs the int8/int4 kernel (a C compiler)")
+# compressed_tensors is imported inside the tests, never at collection: it imports triton, and triton imported
+# before tests/test_triton_attention.py sets TRITON_INTERPRET (at its collection) breaks the interpreter there
+pytestmark = [
+    pytest.mark.skipif(quant_linear.LIBRARY.load() is None, reason="needs the int8/int4 kernel (a C compiler)"),
+    pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
+                       reason="the compressed-tensors package is the referee ([test] extra)"),
+]
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -32,9 +33,11 @@ PACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def _scheme(kind: str, group: int | None, sym: bool) -> tuple[QuantizationScheme, str]:
+def _scheme(kind: str, group: int | None, sym: bool):  # -> (QuantizationScheme, format)
     """(scheme, format): "w4a16" / "w8a16" pack-quantized, "w8a8" int-quantized with dynamic per-token int8
     activations (llm-compressor's presets)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
     bits = 4 if kind == "w4a16" else 8
     weights = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy="group" if group else "channel",
                                group_size=group)
@@ -56,12 +59,16 @@ def _params(w: torch.Tensor, bits: int, group: int | None, sym: bool) -> tuple[t
     return scale, torch.round(-half - lo / scale).clamp(-half, half - 1).to(torch.int8)
 
 
-def _compress(w: torch.Tensor, scheme: QuantizationScheme, fmt: str, perm: torch.Tensor | None
+def _compress(w: torch.Tensor, scheme, fmt: str, perm: torch.Tensor | None
               ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One linear's checkpoint tensors, by compressed-tensors' compressor, and the dense weight they stand for
     (its decompressor, in fp32). `perm`: groups over the inputs in that order (actorder "group"): the weight is
     compressed with its columns in `perm`, then the packed values are put back in input order by the
     package's own unpack / pack, and `weight_g_idx` names each input's group."""
+    from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
     args = scheme.weights
     wp = w if perm is None else w[:, perm]
     scale, zp = _params(wp, args.num_bits, args.group_size, args.symmetric)
@@ -83,6 +90,8 @@ def _write(src: str, dst: str, kind: str, group: int | None, sym: bool = True, a
            ) -> dict[str, torch.Tensor]:
     """A copy of the tiny checkpoint with every decoder linear compressed; returns the dense weight (fp32) each
     linear stands for. act_order: one random input order per input (q / k / v share one, gate / up another)."""
+    from compressed_tensors.quantization import QuantizationConfig
+
     scheme, fmt = _scheme(kind, group, sym)
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
@@ -192,6 +201,8 @@ def test_w8a8_int8_checkpoint_runs_int8_activations_on_its_own_weights(tiny, tmp
     (lambda qc: qc.update(quantization_status="frozen"), "quantization_status"),
 ])
 def test_unserved_schemes_are_refused_by_field(tiny, tmp_path, change, match):
+    from compressed_tensors.quantization import QuantizationConfig
+
     from kvforge.checkpoint_quant import parse_quantization_config
 
     scheme, fmt = _scheme("w8a8", None, True)
@@ -211,3 +222,21 @@ def test_cli_names_the_format_and_refuses_another(tiny, tmp_path, capsys):
     assert "holds compressed-tensors codes" in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path / "q")]) == 0
     assert "compressed-tensors" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["qwen2_bias", "llama_untied"])
+def test_other_families_biases_and_an_untied_head(tmp_path, family):
+    """Qwen2's q / k / v biases load dense beside the codes; an untied lm_head stays dense (in `ignore`)."""
+    from test_checkpoint_quant import check_plan_and_tokens
+    from tiny_models import build_tiny_model
+
+    from kvforge import LLM
+
+    src = str(tmp_path / "dense")
+    build_tiny_model(src, family)
+    dense = _write(src, str(tmp_path / "q"), "w4a16", 32, sym=False)
+    llm = LLM(model=str(tmp_path / "q"), dtype="float32", enable_prefix_caching=False, log_ledger=False,
+              num_kv_blocks=64)
+    qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_weight is not None and (qkv.bias is not None) == (family == "qwen2_bias")
+    check_plan_and_tokens(llm, src, str(tmp_path / "q"), str(tmp_path / "d"), dense)

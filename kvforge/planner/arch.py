@@ -86,6 +86,27 @@ def linear_params(cfg: dict[str, Any]) -> int:
     return sum(_attention_params(cfg) + _mlp_params(cfg, layer) for layer in range(_req(cfg, "num_hidden_layers")))
 
 
+def linear_extras(cfg: dict[str, Any]) -> int:
+    """The part of `linear_params` that no weight format turns into codes: biases and q / k norms (they stay in
+    the model dtype)."""
+    cfg = text_config(cfg)
+    if is_mla(cfg):
+        return 0
+    hidden, hd, kv = _req(cfg, "hidden_size"), head_dim(cfg), num_kv_heads(cfg)
+    q = _req(cfg, "num_attention_heads") * hd
+    per_layer = 0
+    if cfg.get("model_type", "").startswith("qwen2"):
+        per_layer += q + 2 * kv * hd
+    elif cfg.get("attention_bias"):
+        per_layer += q + 2 * kv * hd + hidden
+    if cfg.get("model_type", "").startswith(("gemma3", "qwen3")):
+        per_layer += 2 * hd
+    layers = _req(cfg, "num_hidden_layers")
+    mlp_bias = sum(2 * _req(cfg, "intermediate_size") + hidden for layer in range(layers)
+                   if cfg.get("mlp_bias") and not _moe_width(cfg, layer)[0])
+    return per_layer * layers + mlp_bias
+
+
 def linear_rows(cfg: dict[str, Any]) -> int:
     """Output channels of the decoder layers' linear weights (what per-channel scales count): exact for
     attention with q / k / v / o projections and gated MLPs (dense, or experts with their router); MLA's

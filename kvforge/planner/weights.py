@@ -63,7 +63,7 @@ def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = No
     total = arch.param_count(cfg)
     if quantization is None:
         return int(total * elem)
-    linear = arch.linear_params(cfg)
+    linear = arch.linear_params(cfg) - arch.linear_extras(cfg)  # the matmuls' weights: biases and norms stay
     vocab_matrix = arch.vocab_hidden(cfg)  # one vocab x hidden matrix
     tied = arch.is_tied(cfg)
     rest = total - linear - vocab_matrix * (1 if tied else 2)
