@@ -36,10 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"preset ({', '.join(PRESETS)}), config.json or model dir; append :KEY=VALUE to override fields")
     p.add_argument("--dtype", default="auto", help="weights dtype (default: the config's; float32 served as bf16)")
     p.add_argument("--quantization", choices=PLAN_WEIGHT_FORMATS, default=None,
-                   help="weight format of the linear layers, as `--quantization` serves it (default: a GPTQ / AWQ "
+                   help="weight format of the linear layers, as `--quantization` serves it (default: a GPTQ / AWQ / compressed-tensors "
                         "checkpoint's own, else the dtype's); the lm_head stays int8 under kvforge's formats")
     p.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=None,
-                   help="int4 / w4a8 weights per scale (default 32; a GPTQ / AWQ checkpoint has its own)")
+                   help="int4 / w4a8 weights per scale (default 32; a pre-quantized checkpoint has its own)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV format: auto, fp16, bf16, fp8, int8, int4; K and V apart as KDTYPE/VDTYPE; @SCALES suffix")
     p.add_argument("--kv-scales", choices=GRANULARITIES, default=None,
@@ -104,7 +104,7 @@ def _split_compare(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def plan_weight_format(cfg: dict, quantization: str | None, group: int | None) -> tuple[str | None, int, int]:
-    """The linear layers' (format, group) for a model: --quantization, else what a GPTQ / AWQ checkpoint's
+    """The linear layers' (format, group) for a model: --quantization, else what a GPTQ / AWQ / compressed-tensors checkpoint's
     quantization_config declares (and its group size, unless --quantization-group-size names one), and the
     code width (a GPTQ checkpoint's 4 or 8 bits)."""
     declared = parse_quantization_config(cfg["quantization_config"]) if cfg.get("quantization_config") else None

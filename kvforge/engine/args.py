@@ -89,7 +89,7 @@ class ModelOptions:
                 raise ValueError("quantization_calibration_file needs quantization_calibration_tokens > 0")
             if not os.path.isfile(self.quantization_calibration_file):
                 raise ValueError(f"quantization_calibration_file {self.quantization_calibration_file!r} is not a file")
-        declared = read_checkpoint_quant(self.model)  # a GPTQ / AWQ checkpoint serves its own codes (as vLLM infers)
+        declared = read_checkpoint_quant(self.model)  # a GPTQ / AWQ / compressed-tensors checkpoint serves its own codes (as vLLM infers)
         if declared is not None and self.quantization is None:
             object.__setattr__(self, "quantization", declared.method)
         elif declared is not None and self.quantization != declared.method:

@@ -10,7 +10,7 @@ blocks. The plan counts them as the engine stores them (`models/quant_linear.py`
   matmul); a compressed-tensors checkpoint's at its code width, with an fp32 scale (and offset, but for
   symmetric 8-bit) per group or per output channel;
 - the lm_head: int8 under kvforge's own formats (`layer_method`: it keeps the logits within int8's error),
-  and a tied embedding reads those codes, so a tied matrix is counted once; a GPTQ / AWQ checkpoint keeps its
+  and a tied embedding reads those codes, so a tied matrix is counted once; a pre-quantized checkpoint keeps its
   lm_head and embeddings as written (the model dtype);
 - everything else (norms, an untied embedding table) in the model dtype.
 
