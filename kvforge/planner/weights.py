@@ -3,8 +3,8 @@
 Why: the ledger's rule is weights + KV = memory, so every byte a format saves on weights is room for KV
 blocks. The plan counts them as the engine stores them (`models/quant_linear.py`, `models/hf_quant.py`):
 
-- the decoder layers' linear weights (attention and MLP, routers and biases included) at the format's bytes
-  per weight: int8 codes 1 byte; int4 codes half a byte, plus an fp32 scale and offset per group of
+- the decoder layers' linear weights (attention and MLP, routers included; biases and q / k norms stay in
+  the model dtype) at the format's bytes per weight: int8 codes 1 byte; int4 codes half a byte, plus an fp32 scale and offset per group of
   `group` weights (fp16 ones for w4a8); a GPTQ / AWQ checkpoint's groups are stored as int4's (8-bit GPTQ
   as int8 codes with a scale and offset per group; in activation order, plus an int32 input order per
   matmul); a compressed-tensors checkpoint's at its code width, with an fp32 scale (and offset, but for
