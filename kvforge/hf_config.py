@@ -102,3 +102,22 @@ def architecture(cfg: dict[str, Any]) -> str:
     """The HF class name that runs the model: `architectures[0]`, else the model_type's usual one."""
     archs = cfg.get("architectures") or []
     return str(archs[0]) if archs else DEFAULT_ARCHITECTURES.get(cfg.get("model_type", "llama"), "LlamaForCausalLM")
+
+
+def routed_experts(cfg: dict[str, Any]) -> int:
+    """Routed experts under any HF spelling (DeepSeek `n_routed_experts`, Qwen `num_experts`, Mixtral
+    `num_local_experts`); 0 for a dense model."""
+    return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def is_moe_layer(cfg: dict[str, Any], layer: int, model_type: str | None = None) -> bool:
+    """Whether decoder layer `layer` has a routed MoE feed-forward, by each family's rule (the model builds
+    its layers by it, the planner counts by it). Qwen-MoE: every `decoder_sparse_step`-th layer (1-based)
+    not in `mlp_only_layers`. DeepSeek: the first `first_k_dense_replace` layers are dense, then every
+    `moe_layer_freq`-th is MoE. Mixtral: every layer."""
+    if not routed_experts(cfg):
+        return False
+    if str(model_type if model_type is not None else cfg.get("model_type", "")).startswith("qwen"):
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        return layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+    return layer >= int(cfg.get("first_k_dense_replace") or 0) and layer % int(cfg.get("moe_layer_freq") or 1) == 0

@@ -224,9 +224,10 @@ def test_cli_names_the_format_and_refuses_another(tiny, tmp_path, capsys):
     assert "compressed-tensors" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("family", ["qwen2_bias", "llama_untied"])
+@pytest.mark.parametrize("family", ["qwen2_bias", "llama_untied", "qwen3_moe"])
 def test_other_families_biases_and_an_untied_head(tmp_path, family):
-    """Qwen2's q / k / v biases load dense beside the codes; an untied lm_head stays dense (in `ignore`)."""
+    """Qwen2's q / k / v biases load dense beside the codes; an untied lm_head stays dense (in `ignore`); a
+    Qwen3-MoE's experts run on their codes, its router dense as written."""
     from test_checkpoint_quant import check_plan_and_tokens
     from tiny_models import build_tiny_model
 

@@ -57,3 +57,22 @@ def test_plan_reads_a_checkpoints_quantization_config(tmp_path, capsys):
     assert "holds GPTQ codes" in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path), "--quantization-group-size", "32"]) == 2
     assert "groups of 128" in capsys.readouterr().err
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen2_bias", "qwen3", "qwen3_moe"])
+def test_biases_norms_and_moe_routers_are_planned_as_the_engine_holds_them(tmp_path, quantization, family):
+    """Biases, q / k norms and MoE routers stay in the model dtype under every format; Qwen3-MoE's experts
+    (`num_experts`, `mlp_only_layers`) are counted where the model builds them."""
+    from tiny_models import build_tiny_model
+
+    from kvforge import LLM
+    from kvforge.engine.startup_report import weights_bytes
+
+    # the dense layer's MLP wider than the experts together, so a layer counted on the wrong side of
+    # `mlp_only_layers` shows (every K a multiple of the group: the plan counts whole groups)
+    build_tiny_model(str(tmp_path), family, **({"intermediate_size": 192} if family == "qwen3_moe" else {}))
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", quantization=quantization, log_ledger=False, num_kv_blocks=16)
+    _, cfg = load_model(str(tmp_path))
+    assert weight_bytes(cfg, weights_dtype(cfg, "bfloat16"), quantization, 32) == weights_bytes(llm.engine.model)

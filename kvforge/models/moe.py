@@ -17,6 +17,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from kvforge.config import ModelConfig
+from kvforge.hf_config import is_moe_layer as hf_is_moe_layer, routed_experts
 from kvforge.models.layers import GatedMLP
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -109,21 +110,11 @@ def cfg_is_qwen(model_type: str) -> bool:
 
 
 def num_routed_experts(cfg: ModelConfig) -> int:
-    """Routed experts under any HF spelling (DeepSeek `n_routed_experts`, Qwen `num_experts` / `num_local_experts`)."""
-    x = cfg.extra
-    return int(x.get("n_routed_experts") or x.get("num_experts") or x.get("num_local_experts") or 0)
+    """Routed experts under any HF spelling (`hf_config.routed_experts`)."""
+    return routed_experts(cfg.extra)
 
 
 def is_moe_layer(cfg: ModelConfig, layer_idx: int) -> bool:
-    """Whether layer `layer_idx` has a routed MoE feed-forward, by each family's rule.
-
-    Qwen3-MoE: every `decoder_sparse_step`-th layer (1-based) not in `mlp_only_layers`. DeepSeek: the
-    first `first_k_dense_replace` layers are dense, then every `moe_layer_freq`-th is MoE.
-    """
-    x = cfg.extra
-    if not num_routed_experts(cfg):
-        return False
-    if cfg_is_qwen(cfg.model_type):
-        step = int(x.get("decoder_sparse_step") or 1)
-        return layer_idx not in (x.get("mlp_only_layers") or []) and (layer_idx + 1) % step == 0
-    return layer_idx >= int(x.get("first_k_dense_replace") or 0) and layer_idx % int(x.get("moe_layer_freq") or 1) == 0
+    """Whether layer `layer_idx` has a routed MoE feed-forward, by each family's rule (`hf_config.is_moe_layer`,
+    which the planner counts by too)."""
+    return hf_is_moe_layer(cfg.extra, layer_idx, cfg.model_type)

@@ -12,6 +12,7 @@ from kvforge.hf_config import GQA_FAMILIES as GQA_FAMILIES  # re-exported: the p
 from kvforge.hf_config import MLA_FAMILIES as MLA_FAMILIES
 from kvforge.hf_config import head_dim as head_dim
 from kvforge.hf_config import is_mla as is_mla
+from kvforge.hf_config import is_moe_layer, routed_experts
 from kvforge.hf_config import kv_shape_from_hf as kv_shape_from_hf
 from kvforge.hf_config import layer_windows as layer_windows
 from kvforge.hf_config import num_kv_heads as num_kv_heads
@@ -50,10 +51,8 @@ def _attention_params(cfg: dict[str, Any]) -> int:
 
 def _moe_width(cfg: dict[str, Any], layer: int) -> tuple[int, int, int]:
     """(routed experts, shared experts, expert width) of `layer`'s MLP; (0, 0, 0) for a dense one."""
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
-    dense_first = int(cfg.get("first_k_dense_replace", 0))
-    freq = int(cfg.get("moe_layer_freq", 1) or 1)
-    if experts and layer >= dense_first and layer % freq == 0:
+    experts = routed_experts(cfg)
+    if experts and is_moe_layer(cfg, layer):
         inter = int(cfg.get("moe_intermediate_size") or _req(cfg, "intermediate_size"))
         return experts, int(cfg.get("n_shared_experts") or 0), inter
     return 0, 0, 0
@@ -87,8 +86,8 @@ def linear_params(cfg: dict[str, Any]) -> int:
 
 
 def linear_extras(cfg: dict[str, Any]) -> int:
-    """The part of `linear_params` that no weight format turns into codes: biases and q / k norms (they stay in
-    the model dtype)."""
+    """The part of `linear_params` that no weight format turns into codes: biases, q / k norms and MoE routers
+    (they stay in the model dtype)."""
     cfg = text_config(cfg)
     if is_mla(cfg):
         return 0
@@ -104,7 +103,8 @@ def linear_extras(cfg: dict[str, Any]) -> int:
     layers = _req(cfg, "num_hidden_layers")
     mlp_bias = sum(2 * _req(cfg, "intermediate_size") + hidden for layer in range(layers)
                    if cfg.get("mlp_bias") and not _moe_width(cfg, layer)[0])
-    return per_layer * layers + mlp_bias
+    routers = sum(hidden * _moe_width(cfg, layer)[0] for layer in range(layers))
+    return per_layer * layers + mlp_bias + routers
 
 
 def linear_rows(cfg: dict[str, Any]) -> int:
@@ -121,7 +121,7 @@ def linear_rows(cfg: dict[str, Any]) -> int:
         rows += heads * hd + 2 * kv * hd + hidden
         experts, shared, inter = _moe_width(cfg, layer)
         if experts:
-            rows += (experts + shared) * (2 * inter + hidden) + experts  # gate|up and down per expert, the router
+            rows += (experts + shared) * (2 * inter + hidden)  # gate|up and down per expert (the router stays dense)
         else:
             rows += 2 * _req(cfg, "intermediate_size") + hidden
     return rows
