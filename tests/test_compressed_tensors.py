@@ -222,6 +222,8 @@ def test_cli_names_the_format_and_refuses_another(tiny, tmp_path, capsys):
     assert "holds compressed-tensors codes" in capsys.readouterr().err
     assert main(["plan", "--model", str(tmp_path / "q")]) == 0
     assert "compressed-tensors" in capsys.readouterr().out
+    assert main(["plan", "--model", tiny, "--quantization", "compressed-tensors"]) == 2  # a dense folder
+    assert "no quantization_config naming it" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("family", ["qwen2_bias", "llama_untied", "qwen3_moe"])

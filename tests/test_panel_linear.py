@@ -349,6 +349,32 @@ def test_kvforge_linear_panel_packs_the_tied_lm_head_in_place_and_the_embedding_
     assert "packed copy" not in _describe_linear(model)
 
 
+def test_a_tied_weight_without_a_panel_kernel_for_its_dtype_keeps_the_tables_dense_rows(monkeypatch):
+    """Where the panel kernel is not built for the dtype (bf16 without AVX512-BF16), the tied lm_head takes
+    oneDNN's layout as a copy and the embedding keeps reading its dense rows."""
+    from torch import nn
+
+    from kvforge.models import linear
+    from kvforge.models.linear import Linear, pack_linear_weights
+
+    if torch.bfloat16 not in linear.PACKABLE_DTYPES or not linear.ONEDNN_LINEAR:
+        pytest.skip("oneDNN cannot pack bf16 here")
+    monkeypatch.setenv("KVFORGE_LINEAR", "panel")
+    monkeypatch.setattr(linear, "panel_kernel_simd", lambda dtype=torch.float32: dtype != torch.bfloat16)
+    emb = nn.Embedding(48, 32).to(torch.bfloat16)
+    tied = Linear(32, 48, bias=False).to(torch.bfloat16)
+    tied.weight = emb.weight
+    model = nn.ModuleList([emb, tied])
+    ids, x = torch.tensor([3, 47]), torch.randn(2, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        rows, before = emb(ids), tied(x)
+        assert pack_linear_weights(model, copy_shared=True) == 1
+        assert model[0] is emb and tied.weight is emb.weight and tied.packed_copy
+        assert tied.panel_weight is None and tied.onednn_weight is not None
+        assert torch.equal(emb(ids), rows)
+        torch.testing.assert_close(tied(x), before, atol=1e-2, rtol=1e-2)
+
+
 def test_a_tied_weight_whose_other_holder_is_not_an_embedding_keeps_a_packed_copy(monkeypatch):
     from torch import nn
 

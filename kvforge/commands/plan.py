@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from kvforge.checkpoint_quant import label as checkpoint_label, parse_quantization_config
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, label as checkpoint_label, parse_quantization_config
 from kvforge.config import INT4_GROUP_SIZES, CacheConfig
 from kvforge.flags import default_of
 from kvforge.ledger import parse_bytes
@@ -117,7 +117,7 @@ def plan_weight_format(cfg: dict, quantization: str | None, group: int | None) -
             raise ValueError(f"the model's {checkpoint_label(declared.method)} codes come in groups of {own}; "
                              f"--quantization-group-size {group} cannot apply to them")
         return declared.method, own, declared.bits
-    if quantization in ("gptq", "awq"):
+    if quantization in CHECKPOINT_QUANT_METHODS:
         raise ValueError(f"--quantization {quantization} plans a {quantization} checkpoint; the model's config "
                          "has no quantization_config naming it")
     return quantization, group or 32, 4

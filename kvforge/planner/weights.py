@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvforge import ledger
-from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, parse_quantization_config
+from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, CheckpointQuant, parse_quantization_config
 from kvforge.config import WEIGHT_QUANTIZATIONS
 from kvforge.planner import arch
 
@@ -67,25 +67,25 @@ def weight_bytes(cfg: dict[str, Any], wdtype: str, quantization: str | None = No
     vocab_matrix = arch.vocab_hidden(cfg)  # one vocab x hidden matrix
     tied = arch.is_tied(cfg)
     rest = total - linear - vocab_matrix * (1 if tied else 2)
-    if quantization == "compressed-tensors":
-        out = linear * bits / 8 + rest * elem + _compressed_tensors_params(cfg, linear)
+    declared = (parse_quantization_config(cfg["quantization_config"])
+                if quantization in CHECKPOINT_QUANT_METHODS and cfg.get("quantization_config") else None)
+    if quantization == "compressed-tensors" and declared is not None:
+        out = linear * bits / 8 + rest * elem + _compressed_tensors_params(cfg, declared, linear)
     else:
         out = linear * linear_bytes_per_weight(quantization, group, bits) + rest * elem
     if quantization in ("int8", "w8a8_int8"):
         out += 4 * arch.linear_rows(cfg)  # a scale per output channel
     if quantization in CHECKPOINT_QUANT_METHODS:  # the checkpoint's lm_head and embeddings, as written
         out += vocab_matrix * (1 if tied else 2) * elem
-        declared = cfg.get("quantization_config")
-        if declared and parse_quantization_config(declared).desc_act:  # an int32 input order per matmul
+        if declared is not None and declared.desc_act:  # an int32 input order per matmul
             out += 4 * arch.matmul_inputs(cfg)
     else:  # an int8 lm_head (a scale per vocabulary row); a tied embedding reads its codes, an untied one stays dense
         out += vocab_matrix * 1.0 + 4 * arch.vocab_size(cfg) + (0 if tied else vocab_matrix * elem)
     return int(out)
 
 
-def _compressed_tensors_params(cfg: dict[str, Any], linear: int) -> float:
+def _compressed_tensors_params(cfg: dict[str, Any], declared: CheckpointQuant, linear: float) -> float:
     """A compressed-tensors checkpoint's scales and offsets as the engine stores them: fp32, per group or per
     output channel; no offsets for symmetric 8-bit weights (int8's own layout)."""
-    declared = parse_quantization_config(cfg["quantization_config"])
     per_group = 4 if declared.bits == 8 and declared.symmetric else 8
     return per_group * (arch.linear_rows(cfg) if declared.group is None else linear / declared.group)
