@@ -495,6 +495,47 @@ def test_bf16_gated_gemm_is_bitwise_the_matmul_then_silu_mul(mode: str):
 
 
 
+@pytest.mark.skipif(not pl.simd(torch.bfloat16), reason="the AVX512-BF16 GEMM tiles")
+@pytest.mark.parametrize("mode", ["dot", "fma"])
+def test_bf16_gemm_k_chunks_give_the_bits_of_one_pass(mode: str):
+    """Past KVF_GEMM_KC k-pairs the vector GEMM tiles run K in chunks at up to 64 rows (so a panel group and
+    the next one fit in L2), keeping each row tile's fp32 sums between chunks: every chunking, even and uneven, one and two
+    threads, with bias, and the gated gate|up call, gives the bits of one pass over K. And the default
+    chunking of a long K is right against the fp64 truth."""
+    from kvforge.models import fused
+
+    lib = pl.LIBRARY_BF16.load()
+    before = lib.kvf_panel_bf16_gemm_mode()
+    if lib.kvf_panel_bf16_set_gemm_mode(pl.BF16_GEMM_MODES[mode]) != pl.BF16_GEMM_MODES[mode]:
+        pytest.skip(f"the {mode} tile cannot be forced here")
+    kc_before = lib.kvf_panel_bf16_set_kc(-1)
+    try:
+        torch.manual_seed(12)
+        for i, (m, n, k) in enumerate(((1, 80, 130), (5, 47, 577), (9, 200, 2050), (17, 33, 64), (33, 96, 1030),
+                                       (64, 48, 130), (200, 48, 130))):  # 200 rows: a prefill, one pass
+            x, w, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+            pw, threads = pl.pack_panels(w), 1 + i % 2
+            lib.kvf_panel_bf16_set_kc(0)  # one pass
+            ref = pl.panel_linear(x, pw, b, num_threads=threads)
+            for kc in (1, 7, 64, 300):
+                lib.kvf_panel_bf16_set_kc(kc)
+                out = pl.panel_linear(x, pw, b, num_threads=threads)
+                assert torch.equal(out, ref), (m, n, k, kc, (out.float() - ref.float()).abs().max().item())
+        for m, k, inter in ((1, 130, 48), (9, 576, 80), (33, 2050, 48)):
+            x, w = torch.randn(m, k).bfloat16(), pl.pack_panels(torch.randn(2 * inter, k).bfloat16())
+            lib.kvf_panel_bf16_set_kc(0)
+            ref = pl.panel_linear_silu_mul(x, w)
+            for kc in (3, 64):
+                lib.kvf_panel_bf16_set_kc(kc)
+                assert torch.equal(pl.panel_linear_silu_mul(x, w), ref), (m, k, inter, kc)
+        lib.kvf_panel_bf16_set_kc(-1)  # the default: K = 4,100 in three chunks
+        for m in (1, 12, 40):
+            _check_bf16(m, 64, 4100, bias=True, threads=2)
+    finally:
+        lib.kvf_panel_bf16_set_kc(kc_before)
+        lib.kvf_panel_bf16_set_gemm_mode(before)
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the AVX-512 GEMM tiles")
 def test_gated_mlp_takes_the_one_call_on_fp32_panel_weights(monkeypatch):
     """A packed fp32 `GatedMLP` runs its gate|up matmul and SiLU-and-multiply as one call, with the bits of

@@ -74,6 +74,8 @@ def _declare_bf16(lib: ctypes.CDLL) -> None:
     lib.kvf_panel_bf16_fma_faster.argtypes = []
     lib.kvf_panel_linear_bf16_silu_mul.restype = _C
     lib.kvf_panel_linear_bf16_silu_mul.argtypes = [_P, _I, _I, _P, _I, _P, _C]
+    lib.kvf_panel_bf16_set_kc.restype = _I
+    lib.kvf_panel_bf16_set_kc.argtypes = [_I]
     choice = str(envs.KVFORGE_BF16_GEMM)  # the registry checks it against BF16_GEMM_MODES
     if choice == "amx" and not lib.kvf_panel_bf16_amx():
         raise ValueError("KVFORGE_BF16_GEMM=amx, but AMX tiles cannot run here (the CPU or compiler lacks AMX-BF16, "

@@ -109,9 +109,17 @@ static void tile(const uint32_t *x, int64_t ldx, int64_t K2, const uint16_t *w, 
 #define GM 8
 #define GP 3
 /* Row tiles prefetch the next panel group into L2 while they multiply this one (as linear_f32.c does):
- * a batch's decode step then overlaps its weight reads with its arithmetic. */
+ * a batch's decode step then overlaps its weight reads with its arithmetic. Only from
+ * KVF_GEMM_PF_MIN_ROWS rows: below that a group is one row tile, one sequential read the hardware
+ * prefetcher follows by itself, and the instructions only cost. The 1B preset's four linears on Zen 4,
+ * both threads, builds interleaved in one process (medians of 11-15 rounds): without the prefetch
+ * 1.04-1.12x at 1-4 rows, 0.96-0.99x at 8, 0.93-1.00x at 16 (benchmarks/results/
+ * 2026-12-07_bf16_gemm_prefetch_rows_k_chunks_ab.txt). */
 #ifndef KVF_GEMM_PREFETCH
 #define KVF_GEMM_PREFETCH 1
+#endif
+#ifndef KVF_GEMM_PF_MIN_ROWS
+#define KVF_GEMM_PF_MIN_ROWS 8
 #endif
 /* Rows from which the GEMM tiles run, in the kind measured at load (AMX, vdpbf16ps or fp32 FMAs). Decode
  * rows (1-4) take them too: on the 2-core AMX Xeon the tiles' next-group prefetch read one decode step's
@@ -130,13 +138,32 @@ static inline __attribute__((always_inline)) void zero_tile(__m512 acc[GM][GP]) 
         for (int p = 0; p < GP; p++) acc[r][p] = _mm512_setzero_ps();
 }
 
-/* Step k of a tile's share of the next panel group's lines (`npf` of them from `pf`, `per_k` a step). */
-static inline __attribute__((always_inline)) void prefetch_share(const char *pf, int64_t npf, int64_t per_k,
+/* The lines a tile prefetches: the next k chunk of a panel group is a run of lines in each of its panels, a
+ * panel stride apart (one contiguous stretch without k chunks). The group's row tiles share the runs taken
+ * one after the other, each tile a stretch of `n` lines: `cur` the next, `run_end` where its run ends,
+ * `jump` from there to the next run. Why in that order: the tiles then walk the next group front to back as
+ * one stream, which the hardware prefetcher extends; a share of every run at once measured 0.91-0.96x at
+ * 12-16 rows. */
+typedef struct {
+    const char *cur, *run_end;
+    int64_t jump, n;
+} kvf_pf;
+
+/* The locality hint of those prefetches: into L2 (T1; T2 measured the same, T0 0.80-0.93x at 1-16 rows). */
+#ifndef KVF_PF_HINT
+#define KVF_PF_HINT _MM_HINT_T1
+#endif
+/* Step k of a tile's share (`per_k` lines a step); `stride`: bytes between the runs. */
+static inline __attribute__((always_inline)) void prefetch_share(kvf_pf *pf, int64_t stride, int64_t per_k,
                                                                  int64_t k) {
 #if KVF_GEMM_PREFETCH
-    for (int64_t j = k * per_k; j < (k + 1) * per_k && j < npf; j++) _mm_prefetch(pf + 64 * j, _MM_HINT_T1);
+    for (int64_t j = k * per_k; j < (k + 1) * per_k && j < pf->n; j++) {
+        _mm_prefetch(pf->cur, KVF_PF_HINT);
+        pf->cur += 64;
+        if (pf->cur == pf->run_end) pf->cur += pf->jump, pf->run_end += stride;
+    }
 #else
-    (void)pf, (void)npf, (void)per_k, (void)k;
+    (void)pf, (void)stride, (void)per_k, (void)k;
 #endif
 }
 
@@ -194,17 +221,27 @@ static inline __attribute__((always_inline)) void store_f32(__m512 acc[GM][GP], 
         for (int p = 0; p < np; p++) _mm512_store_ps(out + (r * GP + p) * NR, acc[r][p]);
 }
 
+/* A tile's accumulators from an earlier k chunk's store_f32 (the same layout): the sums go on exactly as
+ * in one pass over K, so chunked results are bitwise the unchunked ones. */
+static inline __attribute__((always_inline)) void load_f32(__m512 acc[GM][GP], int mr, int np, const float *in) {
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 3
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_load_ps(in + (r * GP + p) * NR);
+}
+
 static inline __attribute__((always_inline)) void gemm_tile(const uint32_t *x, int64_t ldx, int64_t K2,
                                                             const uint16_t *w, int64_t pstride, int mr, int np,
                                                             uint16_t *y, int64_t N, int64_t n0,
-                                                            const uint16_t *bias, const char *pf, int64_t npf,
+                                                            const uint16_t *bias, kvf_pf pf, const float *f32in,
                                                             float *f32out) {
     __m512 acc[GM][GP];
-    zero_tile(acc);
+    if (f32in) load_f32(acc, mr, np, f32in);
+    else zero_tile(acc);
     int64_t per_k; /* prefetched lines of the next panel group per k-pair, over the first `steps` k-pairs */
-    const int64_t steps = prefetch_steps(npf, K2, &per_k);
+    const int64_t steps = prefetch_steps(pf.n, K2, &per_k);
     for (int64_t kp = 0; kp < steps; kp++) {
-        prefetch_share(pf, npf, per_k, kp);
+        prefetch_share(&pf, 2 * pstride, per_k, kp);
         dot_step(acc, x, ldx, w, pstride, mr, np, kp);
     }
     for (int64_t kp = steps; kp < K2; kp++) dot_step(acc, x, ldx, w, pstride, mr, np, kp);
@@ -250,15 +287,16 @@ static inline __attribute__((always_inline)) void fma_step(__m512 acc[GM][GP], c
 static inline __attribute__((always_inline)) void gemm_tile_fma(const float *xf, int64_t ldx, int64_t K2,
                                                                 const uint16_t *w, int64_t pstride, int mr, int np,
                                                                 uint16_t *y, int64_t N, int64_t n0,
-                                                                const uint16_t *bias, const char *pf, int64_t npf,
+                                                                const uint16_t *bias, kvf_pf pf, const float *f32in,
                                                                 float *f32out) {
     __m512 acc[GM][GP];
-    zero_tile(acc);
+    if (f32in) load_f32(acc, mr, np, f32in);
+    else zero_tile(acc);
     const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
     int64_t per_k; /* as in gemm_tile */
-    const int64_t steps = prefetch_steps(npf, K2, &per_k);
+    const int64_t steps = prefetch_steps(pf.n, K2, &per_k);
     for (int64_t kp = 0; kp < steps; kp++) {
-        prefetch_share(pf, npf, per_k, kp);
+        prefetch_share(&pf, 2 * pstride, per_k, kp);
         fma_step(acc, xf, ldx, w, pstride, mr, np, kp, hi_mask);
     }
     for (int64_t kp = steps; kp < K2; kp++) fma_step(acc, xf, ldx, w, pstride, mr, np, kp, hi_mask);
@@ -437,13 +475,13 @@ int kvf_panel_bf16_set_gemm_mode(int mode) {
 
 #if KVF_SIMD
 /* One specialised copy per (rows, panels), so every accumulator loop is unrolled into registers. */
-static void gemm_block(const uint32_t *x, const float *xf, int64_t K2, const uint16_t *w, int64_t pstride, int mr,
-                       int np, uint16_t *y, int64_t N, int64_t n0, const uint16_t *bias, const char *pf,
-                       int64_t npf, float *f32out) {
-#define KVF_GEMM_CASE(R, P)                                                                          \
-    case (R) * 4 + (P):                                                                              \
-        if (xf) gemm_tile_fma(xf, 2 * K2, K2, w, pstride, R, P, y, N, n0, bias, pf, npf, f32out);    \
-        else gemm_tile(x, K2, K2, w, pstride, R, P, y, N, n0, bias, pf, npf, f32out);                 \
+static void gemm_block(const uint32_t *x, const float *xf, int64_t ldx, int64_t kc, const uint16_t *w,
+                       int64_t pstride, int mr, int np, uint16_t *y, int64_t N, int64_t n0, const uint16_t *bias,
+                       kvf_pf pf, const float *f32in, float *f32out) {
+#define KVF_GEMM_CASE(R, P)                                                                               \
+    case (R) * 4 + (P):                                                                                   \
+        if (xf) gemm_tile_fma(xf, 2 * ldx, kc, w, pstride, R, P, y, N, n0, bias, pf, f32in, f32out);      \
+        else gemm_tile(x, ldx, kc, w, pstride, R, P, y, N, n0, bias, pf, f32in, f32out);                   \
         break;
 #define KVF_GEMM_ROW(R) KVF_GEMM_CASE(R, 1) KVF_GEMM_CASE(R, 2) KVF_GEMM_CASE(R, 3)
     switch (mr * 4 + np) {
@@ -470,6 +508,112 @@ static float *widen_rows(const uint32_t *xp, int64_t M, int64_t K2) {
         _mm512_mask_storeu_ps(xf + e, m, _mm512_castsi512_ps(v));
     }
     return xf;
+}
+#endif
+
+#if KVF_SIMD
+static inline __attribute__((always_inline)) void silu_mul_bf16x16(const uint16_t *g, const float *u, uint16_t *h) {
+#pragma omp simd simdlen(16)
+    for (int c = 0; c < 16; c++) {
+        const float x = bf16_to_f32(g[c]), up = round_to_bf16(u[c]);
+        h[c] = f32_to_bf16(round_to_bf16(x / (1.f + expf(-x))) * up);
+    }
+}
+#endif
+
+#if KVF_SIMD
+/* k chunks. Why: the GEMM tiles re-read a panel group from L2 for each row tile while the next group is
+ * prefetched beside it, so two groups (GP x K/2 x 64 bytes each) must fit in L2. At K = 8,192 (the 1B
+ * preset's down projection) a group is 768 KiB, and two of them overflow Zen 4's 1 MiB L2: lines were
+ * fetched twice, and the down projection ran at 71-84% of its bounds at 1-32 rows. Past KVF_GEMM_KC
+ * k-pairs a group goes in even k chunks of at most that many; a row tile keeps its fp32 sums between
+ * chunks (`partial`), so the sums run in the same order and the results are bitwise those of one pass.
+ * The down projection at 12-32 rows: 1.03-1.06x (same file as above); at 1-8 rows no change. */
+#ifndef KVF_GEMM_KC
+#define KVF_GEMM_KC 1024
+#endif
+static int64_t gemm_kc = KVF_GEMM_KC;
+/* Up to KVF_GEMM_KC_MAX_ROWS rows only: a prefill's many row tiles re-read a group often enough that the
+ * hardware keeps it close anyway, and chunks measured 0.98x on the down projection at 1,024 rows. */
+#ifndef KVF_GEMM_KC_MAX_ROWS
+#define KVF_GEMM_KC_MAX_ROWS 64
+#endif
+static inline int64_t k_chunks(int64_t K2, int64_t M) {
+    return gemm_kc > 0 && K2 > gemm_kc && M <= KVF_GEMM_KC_MAX_ROWS ? (K2 + gemm_kc - 1) / gemm_kc : 1;
+}
+#endif
+
+/* The most k-pairs a GEMM k chunk takes (0: K in one pass); returns the setting before. Why: tests check
+ * that every chunking gives the same bits, and benchmarks compare chunk sizes in one process. */
+int64_t kvf_panel_bf16_set_kc(int64_t kc) {
+#if KVF_SIMD
+    const int64_t before = gemm_kc;
+    gemm_kc = kc < 0 ? KVF_GEMM_KC : kc;
+    return before;
+#else
+    (void)kc;
+    return 0;
+#endif
+}
+
+#if KVF_SIMD
+/* Where a panel group's finished row tiles go: rounded to bf16 (+ bias) into y; or, for the gated GEMM,
+ * its gate pass's bf16 gate columns (GP x NR a row) or its up pass's silu(gate) * up into h. */
+typedef struct {
+    uint16_t *y;
+    int64_t N, n0;
+    const uint16_t *bias;
+    uint16_t *gate;     /* the gate pass: write the gate columns here */
+    const uint16_t *up; /* the up pass: the gate columns to read ... */
+    uint16_t *h;        /* ... and h's first column of this group (row stride I) */
+    int64_t I;
+} kvf_fin;
+
+/* One panel group (np panels from wg) over all M rows, chunk by chunk in k, each chunk's row tiles
+ * prefetching the next chunk: this group's next k chunk, or the first chunk of `after` (np_after panels;
+ * NULL: nothing follows). `partial`: tiles x GM x GP x NR floats, needed only with more than one chunk. */
+static void group_rows(const uint32_t *xp, const float *xf, int64_t M, int64_t K2, int64_t nchunks, const uint16_t *wg,
+                       int64_t panel_elems, int np, const uint16_t *after, int np_after, float *partial,
+                       const kvf_fin *fin) {
+    const int64_t tiles = (M + GM - 1) / GM, stride = panel_elems * (int64_t)sizeof(uint16_t);
+    float tmp[GM * GP * NR] __attribute__((aligned(64)));
+    for (int64_t c = 0; c < nchunks; c++) {
+        const int64_t k0 = K2 * c / nchunks, kc = K2 * (c + 1) / nchunks - k0;
+        const int last = c == nchunks - 1;
+        /* the next chunk: this group's, or the first one of what follows */
+        const int64_t nk0 = last ? 0 : k0 + kc, nkc = last ? K2 / nchunks : K2 * (c + 2) / nchunks - nk0;
+        const char *nb = last ? (const char *)after : (const char *)(wg + nk0 * 2 * NR);
+        const int pn = nb && M >= KVF_GEMM_PF_MIN_ROWS ? (last ? np_after : np) : 0;
+        for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
+            const int mr = (int)(M - i < GM ? M - i : GM);
+            /* this tile's share of the runs taken one after the other (nkc lines each) */
+            const int64_t f0 = pn * nkc * t / tiles, f1 = pn * nkc * (t + 1) / tiles;
+            const char *run = nb + (nkc ? f0 / nkc : 0) * stride;
+            const kvf_pf pf = {run + 64 * (nkc ? f0 % nkc : 0), run + 64 * nkc, stride - 64 * nkc, f1 - f0};
+            float *part = nchunks > 1 ? partial + t * GM * GP * NR : NULL;
+            const float *in = c ? part : NULL;
+            const uint32_t *xr = xp + i * K2 + k0;
+            const float *xfr = xf ? xf + i * 2 * K2 + 2 * k0 : NULL;
+            const uint16_t *w = wg + k0 * 2 * NR;
+            if (!last) {
+                gemm_block(xr, xfr, K2, kc, w, panel_elems, mr, np, NULL, 0, 0, NULL, pf, in, part);
+            } else if (fin->y) {
+                gemm_block(xr, xfr, K2, kc, w, panel_elems, mr, np, fin->y + i * fin->N, fin->N, fin->n0, fin->bias,
+                           pf, in, NULL);
+            } else {
+                gemm_block(xr, xfr, K2, kc, w, panel_elems, mr, np, NULL, 0, 0, NULL, pf, in, tmp);
+                for (int r = 0; r < mr; r++)
+                    for (int col = 0; col < np * NR; col += 16) {
+                        if (fin->gate)
+                            _mm256_storeu_si256((__m256i *)(fin->gate + (i + r) * GP * NR + col),
+                                                f32x16_to_bf16(_mm512_load_ps(tmp + r * GP * NR + col)));
+                        else
+                            silu_mul_bf16x16(fin->up + (i + r) * GP * NR + col, tmp + r * GP * NR + col,
+                                             fin->h + (i + r) * fin->I + col);
+                    }
+            }
+        }
+    }
 }
 #endif
 
@@ -512,6 +656,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
     kvf_range *ranges = NULL;
 #if KVF_SIMD
     if (!amx && M >= BF16_GEMM_MIN) ranges = kvf_ranges_new((P + GP - 1) / GP, nthreads);
+    const int64_t nchunks = k_chunks(K2, M);
 #endif
 #pragma omp parallel num_threads(nthreads)
     {
@@ -527,22 +672,21 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
 #if KVF_SIMD
         if (M >= BF16_GEMM_MIN && p1 > p0) { /* GEMM tiles (every row count by default, see BF16_GEMM_MIN) */
             const int64_t tiles = (M + GM - 1) / GM;
+            /* the row tiles' sums between k chunks (k_chunks); without memory for them, one pass over K */
+            float *partial = nchunks > 1 ? (float *)aligned_alloc(64, (size_t)(tiles * GM * GP * NR) * sizeof(float)) : NULL;
+            const int64_t nc = partial ? nchunks : 1;
             kvf_walk walk = kvf_walk_start(ranges, nthreads, (int)nth, (int)tid, 1, (P + GP - 1) / GP);
             int64_t g, gnext = 0;
             while (kvf_walk_next(&walk, &g)) {
                 const int64_t p = g * GP;
                 const int np = (int)(P - p < GP ? P - p : GP);
-                /* the next panel group's lines, shared out among this group's row tiles (see KVF_GEMM_PREFETCH) */
-                const int64_t next = kvf_walk_peek(&walk, &gnext) ? (P - gnext * GP < GP ? P - gnext * GP : GP) : 0;
-                const char *pf = (const char *)(wp + gnext * GP * panel_elems);
-                const int64_t lines = next * panel_elems * (int64_t)sizeof(uint16_t) / 64;
-                for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
-                    const int mr = (int)(M - i < GM ? M - i : GM);
-                    const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
-                    gemm_block(xp + i * K2, xf ? xf + i * 2 * K2 : NULL, K2, wp + p * panel_elems, panel_elems,
-                               mr, np, y + i * N, N, p * NR, bias, pf + 64 * l0, l1 - l0, NULL);
-                }
+                /* the next panel group, prefetched by this group's last chunk (see KVF_GEMM_PREFETCH) */
+                const int next = kvf_walk_peek(&walk, &gnext) ? (int)(P - gnext * GP < GP ? P - gnext * GP : GP) : 0;
+                const kvf_fin fin = {y, N, p * NR, bias, NULL, NULL, NULL, 0};
+                group_rows(xp, xf, M, K2, nc, wp + p * panel_elems, panel_elems, np,
+                           next ? wp + gnext * GP * panel_elems : NULL, next, partial, &fin);
             }
+            free(partial);
             p1 = p0; /* done: skip the decode-row loop below */
         }
 #endif
@@ -583,15 +727,6 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
  * product rounded to bf16 as the linear stores it, and kvf_silu_mul's expression and roundings
  * (round(silu(g)) * u, libmvec's 16-lane expf). Returns 1, or 0 where it cannot run (no AVX512-BF16 build,
  * AMX tiles in use, odd K, I not whole panels, no memory): the caller then makes the two calls. */
-#if KVF_SIMD
-static inline __attribute__((always_inline)) void silu_mul_bf16x16(const uint16_t *g, const float *u, uint16_t *h) {
-#pragma omp simd simdlen(16)
-    for (int c = 0; c < 16; c++) {
-        const float x = bf16_to_f32(g[c]), up = round_to_bf16(u[c]);
-        h[c] = f32_to_bf16(round_to_bf16(x / (1.f + expf(-x))) * up);
-    }
-}
-#endif
 
 int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N2,
                                    uint16_t *h, int nthreads) {
@@ -606,15 +741,17 @@ int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, cons
     if (nthreads > Pg) nthreads = (int)Pg;
     int failed = 0;
     /* groups of GP gate panels (each with its up panels), handed out from both ends (kvf_steal.h) */
-    const int64_t groups = (Pg + GP - 1) / GP;
+    const int64_t groups = (Pg + GP - 1) / GP, nchunks = k_chunks(K2, M);
     kvf_range *ranges = kvf_ranges_new(groups, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         KVF_TEAM(tid, nth);
         const int64_t tiles = (M + GM - 1) / GM;
-        float acc[GM * GP * NR] __attribute__((aligned(64)));
         /* every row's gate columns of the group, rounded to bf16: the up pass reads them back */
         uint16_t *gate = (uint16_t *)malloc((size_t)(tiles * GM * GP * NR) * sizeof(uint16_t));
+        /* the row tiles' sums between k chunks (k_chunks); without memory for them, one pass over K */
+        float *partial = nchunks > 1 ? (float *)aligned_alloc(64, (size_t)(tiles * GM * GP * NR) * sizeof(float)) : NULL;
+        const int64_t nc = partial ? nchunks : 1;
         if (!gate) {
 #pragma omp atomic write
             failed = 1;
@@ -624,33 +761,16 @@ int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, cons
         while (gate && kvf_walk_next(&walk, &g)) {
             const int64_t p = g * GP;
             const int np = (int)(Pg - p < GP ? Pg - p : GP);
-            const int64_t lines = np * panel_elems * (int64_t)sizeof(uint16_t) / 64;
-            const int64_t next = kvf_walk_peek(&walk, &gnext) ? (Pg - gnext * GP < GP ? Pg - gnext * GP : GP) : 0;
-            const int64_t next_lines = next * panel_elems * (int64_t)sizeof(uint16_t) / 64;
+            const int next = kvf_walk_peek(&walk, &gnext) ? (int)(Pg - gnext * GP < GP ? Pg - gnext * GP : GP) : 0;
             /* the gate pass prefetches this group's up panels; the up pass the next group's gate panels */
-            const char *pf_up = (const char *)(wp + (Pg + p) * panel_elems);
-            const char *pf_gate = (const char *)(wp + gnext * GP * panel_elems);
-            for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
-                const int mr = (int)(M - i < GM ? M - i : GM);
-                const int64_t l0 = lines * t / tiles, l1 = lines * (t + 1) / tiles;
-                gemm_block(xp + i * K2, xf ? xf + i * 2 * K2 : NULL, K2, wp + p * panel_elems, panel_elems, mr, np,
-                           NULL, 0, 0, NULL, pf_up + 64 * l0, l1 - l0, acc);
-                for (int r = 0; r < mr; r++)
-                    for (int c = 0; c < np * NR; c += 16)
-                        _mm256_storeu_si256((__m256i *)(gate + (i + r) * GP * NR + c),
-                                            f32x16_to_bf16(_mm512_load_ps(acc + r * GP * NR + c)));
-            }
-            for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
-                const int mr = (int)(M - i < GM ? M - i : GM);
-                const int64_t l0 = next_lines * t / tiles, l1 = next_lines * (t + 1) / tiles;
-                gemm_block(xp + i * K2, xf ? xf + i * 2 * K2 : NULL, K2, wp + (Pg + p) * panel_elems, panel_elems,
-                           mr, np, NULL, 0, 0, NULL, pf_gate + 64 * l0, l1 - l0, acc);
-                for (int r = 0; r < mr; r++)
-                    for (int c = 0; c < np * NR; c += 16)
-                        silu_mul_bf16x16(gate + (i + r) * GP * NR + c, acc + r * GP * NR + c,
-                                         h + (i + r) * I + p * NR + c);
-            }
+            const kvf_fin to_gate = {NULL, 0, 0, NULL, gate, NULL, NULL, 0};
+            group_rows(xp, xf, M, K2, nc, wp + p * panel_elems, panel_elems, np, wp + (Pg + p) * panel_elems, np,
+                       partial, &to_gate);
+            const kvf_fin to_h = {NULL, 0, 0, NULL, NULL, gate, h + p * NR, I};
+            group_rows(xp, xf, M, K2, nc, wp + (Pg + p) * panel_elems, panel_elems, np,
+                       next ? wp + gnext * GP * panel_elems : NULL, next, partial, &to_h);
         }
+        free(partial);
         free(gate);
     }
     free(ranges);
