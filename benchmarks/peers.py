@@ -77,6 +77,8 @@ import subprocess
 import sys
 import time
 
+from quiet import busy_processes, describe, run_group
+
 VOCAB = 49152  # the default model's vocabulary
 WORKLOADS = ("single", "batch", "shared", "long")
 BUDGET = dict(max_num_seqs=64, max_num_batched_tokens=1024)  # every engine: same token budget per step
@@ -550,12 +552,16 @@ def main() -> None:
                 cmd += ["--llamacpp-server", args.llamacpp_server, "--llamacpp-gguf", f"{quant}={llamacpp_ggufs(args)[quant]}"]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+            busy = busy_processes()
+            if busy:
+                print(f"warning: not quiet before {engine} {workload}: {describe(busy)}", file=sys.stderr, flush=True)
+            proc = run_group(cmd, stdout=subprocess.PIPE, text=True, env=env)
             if proc.returncode:
                 print(f"{engine} {dtype} {kv} {quant} {workload}: failed (exit {proc.returncode})", file=sys.stderr)
                 continue
             row = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
             row["round"] = round_ + 1
+            row["busy_before"] = [f"{name} ({share:.0%})" for _, name, share in busy]
             runs[(workload, dtype, kv, quant, engine)].append(row)
             if args.repeats == 1:
                 print_row(row, header=sum(map(len, runs.values())) == 1, wide=args.probe)
