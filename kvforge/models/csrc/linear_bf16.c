@@ -109,17 +109,21 @@ static void tile(const uint32_t *x, int64_t ldx, int64_t K2, const uint16_t *w, 
 #define GM 8
 #define GP 3
 /* Row tiles prefetch the next panel group into L2 while they multiply this one (as linear_f32.c does):
- * a batch's decode step then overlaps its weight reads with its arithmetic. Only from
- * KVF_GEMM_PF_MIN_ROWS rows: below that a group is one row tile, one sequential read the hardware
- * prefetcher follows by itself, and the instructions only cost. The 1B preset's four linears on Zen 4,
- * both threads, builds interleaved in one process (medians of 11-15 rounds): without the prefetch
- * 1.04-1.12x at 1-4 rows, 0.96-0.99x at 8, 0.93-1.00x at 16 (benchmarks/results/
- * 2026-12-07_bf16_gemm_prefetch_rows_k_chunks_ab.txt). */
+ * a batch's decode step then overlaps its weight reads with its arithmetic. Below KVF_GEMM_PF_MIN_ROWS
+ * rows, on long panels (K2 >= KVF_GEMM_PF_LONG_K2 k-pairs), they do not: a group is then one row tile,
+ * one long sequential read the hardware prefetcher follows by itself, and the instructions only cost.
+ * The 1B preset's four linears (K = 2,048 and 8,192) on Zen 4, both threads, builds interleaved in one
+ * process (medians of 11-15 rounds): without the prefetch 1.04-1.12x at 1-4 rows, 0.96-0.99x at 8,
+ * 0.93-1.00x at 16. The default model's short panels (K = 576 and 1,536) lost 4-11% without it at 2-6
+ * rows, so they keep it (benchmarks/results/2026-12-07_bf16_gemm_prefetch_rows_k_chunks_ab.txt). */
 #ifndef KVF_GEMM_PREFETCH
 #define KVF_GEMM_PREFETCH 1
 #endif
 #ifndef KVF_GEMM_PF_MIN_ROWS
 #define KVF_GEMM_PF_MIN_ROWS 8
+#endif
+#ifndef KVF_GEMM_PF_LONG_K2
+#define KVF_GEMM_PF_LONG_K2 1024
 #endif
 /* Rows from which the GEMM tiles run, in the kind measured at load (AMX, vdpbf16ps or fp32 FMAs). Decode
  * rows (1-4) take them too: on the 2-core AMX Xeon the tiles' next-group prefetch read one decode step's
@@ -583,7 +587,7 @@ static void group_rows(const uint32_t *xp, const float *xf, int64_t M, int64_t K
         /* the next chunk: this group's, or the first one of what follows */
         const int64_t nk0 = last ? 0 : k0 + kc, nkc = last ? K2 / nchunks : K2 * (c + 2) / nchunks - nk0;
         const char *nb = last ? (const char *)after : (const char *)(wg + nk0 * 2 * NR);
-        const int pn = nb && M >= KVF_GEMM_PF_MIN_ROWS ? (last ? np_after : np) : 0;
+        const int pn = nb && (M >= KVF_GEMM_PF_MIN_ROWS || K2 < KVF_GEMM_PF_LONG_K2) ? (last ? np_after : np) : 0;
         for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
             const int mr = (int)(M - i < GM ? M - i : GM);
             /* this tile's share of the runs taken one after the other (nkc lines each) */
