@@ -79,7 +79,7 @@ def run_group(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:  # type:
                 if proc.poll() is not None:  # the command is done: what keeps its pipes open is left over
                     _kill_group(proc.pid)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         _kill_group(proc.pid)
         proc.wait()
 

@@ -545,6 +545,15 @@ static int64_t gemm_kc = KVF_GEMM_KC;
 static inline int64_t k_chunks(int64_t K2, int64_t M) {
     return gemm_kc > 0 && K2 > gemm_kc && M <= KVF_GEMM_KC_MAX_ROWS ? (K2 + gemm_kc - 1) / gemm_kc : 1;
 }
+
+/* A thread's row tiles' sums between k chunks (group_rows' `partial`): NULL with one chunk, or without
+ * memory for them, and then *nc = 1 (one pass over K, the same bits). */
+static float *alloc_partial(int64_t M, int64_t nchunks, int64_t *nc) {
+    float *partial = nchunks > 1 ? (float *)aligned_alloc(64, (size_t)((M + GM - 1) / GM * GM * GP * NR) * sizeof(float))
+                                 : NULL;
+    *nc = partial ? nchunks : 1;
+    return partial;
+}
 #endif
 
 /* The most k-pairs a GEMM k chunk takes (0: K in one pass); returns the setting before. Why: tests check
@@ -590,10 +599,13 @@ static void group_rows(const uint32_t *xp, const float *xf, int64_t M, int64_t K
         const int pn = nb && (M >= KVF_GEMM_PF_MIN_ROWS || K2 < KVF_GEMM_PF_LONG_K2) ? (last ? np_after : np) : 0;
         for (int64_t i = 0, t = 0; i < M; i += GM, t++) {
             const int mr = (int)(M - i < GM ? M - i : GM);
-            /* this tile's share of the runs taken one after the other (nkc lines each) */
-            const int64_t f0 = pn * nkc * t / tiles, f1 = pn * nkc * (t + 1) / tiles;
-            const char *run = nb + (nkc ? f0 / nkc : 0) * stride;
-            const kvf_pf pf = {run + 64 * (nkc ? f0 % nkc : 0), run + 64 * nkc, stride - 64 * nkc, f1 - f0};
+            /* this tile's share of the runs taken one after the other (nkc >= 1 lines each) */
+            kvf_pf pf = {0};
+            if (pn) {
+                const int64_t f0 = pn * nkc * t / tiles, f1 = pn * nkc * (t + 1) / tiles;
+                const char *run = nb + f0 / nkc * stride;
+                pf = (kvf_pf){run + 64 * (f0 % nkc), run + 64 * nkc, stride - 64 * nkc, f1 - f0};
+            }
             float *part = nchunks > 1 ? partial + t * GM * GP * NR : NULL;
             const float *in = c ? part : NULL;
             const uint32_t *xr = xp + i * K2 + k0;
@@ -675,10 +687,8 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
 #endif
 #if KVF_SIMD
         if (M >= BF16_GEMM_MIN && p1 > p0) { /* GEMM tiles (every row count by default, see BF16_GEMM_MIN) */
-            const int64_t tiles = (M + GM - 1) / GM;
-            /* the row tiles' sums between k chunks (k_chunks); without memory for them, one pass over K */
-            float *partial = nchunks > 1 ? (float *)aligned_alloc(64, (size_t)(tiles * GM * GP * NR) * sizeof(float)) : NULL;
-            const int64_t nc = partial ? nchunks : 1;
+            int64_t nc;
+            float *partial = alloc_partial(M, nchunks, &nc);
             kvf_walk walk = kvf_walk_start(ranges, nthreads, (int)nth, (int)tid, 1, (P + GP - 1) / GP);
             int64_t g, gnext = 0;
             while (kvf_walk_next(&walk, &g)) {
@@ -686,7 +696,7 @@ void kvf_panel_linear_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16
                 const int np = (int)(P - p < GP ? P - p : GP);
                 /* the next panel group, prefetched by this group's last chunk (see KVF_GEMM_PREFETCH) */
                 const int next = kvf_walk_peek(&walk, &gnext) ? (int)(P - gnext * GP < GP ? P - gnext * GP : GP) : 0;
-                const kvf_fin fin = {y, N, p * NR, bias, NULL, NULL, NULL, 0};
+                const kvf_fin fin = {.y = y, .N = N, .n0 = p * NR, .bias = bias};
                 group_rows(xp, xf, M, K2, nc, wp + p * panel_elems, panel_elems, np,
                            next ? wp + gnext * GP * panel_elems : NULL, next, partial, &fin);
             }
@@ -753,9 +763,8 @@ int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, cons
         const int64_t tiles = (M + GM - 1) / GM;
         /* every row's gate columns of the group, rounded to bf16: the up pass reads them back */
         uint16_t *gate = (uint16_t *)malloc((size_t)(tiles * GM * GP * NR) * sizeof(uint16_t));
-        /* the row tiles' sums between k chunks (k_chunks); without memory for them, one pass over K */
-        float *partial = nchunks > 1 ? (float *)aligned_alloc(64, (size_t)(tiles * GM * GP * NR) * sizeof(float)) : NULL;
-        const int64_t nc = partial ? nchunks : 1;
+        int64_t nc;
+        float *partial = alloc_partial(M, nchunks, &nc);
         if (!gate) {
 #pragma omp atomic write
             failed = 1;
@@ -767,10 +776,10 @@ int kvf_panel_linear_bf16_silu_mul(const uint16_t *x, int64_t M, int64_t K, cons
             const int np = (int)(Pg - p < GP ? Pg - p : GP);
             const int next = kvf_walk_peek(&walk, &gnext) ? (int)(Pg - gnext * GP < GP ? Pg - gnext * GP : GP) : 0;
             /* the gate pass prefetches this group's up panels; the up pass the next group's gate panels */
-            const kvf_fin to_gate = {NULL, 0, 0, NULL, gate, NULL, NULL, 0};
+            const kvf_fin to_gate = {.gate = gate};
             group_rows(xp, xf, M, K2, nc, wp + p * panel_elems, panel_elems, np, wp + (Pg + p) * panel_elems, np,
                        partial, &to_gate);
-            const kvf_fin to_h = {NULL, 0, 0, NULL, NULL, gate, h + p * NR, I};
+            const kvf_fin to_h = {.up = gate, .h = h + p * NR, .I = I};
             group_rows(xp, xf, M, K2, nc, wp + (Pg + p) * panel_elems, panel_elems, np,
                        next ? wp + gnext * GP * panel_elems : NULL, next, partial, &to_h);
         }
