@@ -62,7 +62,7 @@ def test_quantized_kernel_matches_dequantize_then_matmul(name, bits, group, n, k
     assert qw.bits == bits and qw.n == n and qw.k == k
     for rows in ROWS:
         check(qw, rows, torch.float32, seed=rows)
-    for rows in (1, 4, 9, 130):
+    for rows in (1, 3, 4, 5, 6, 8, 9, 130):  # decode rows (int8 x bf16: nibble or whole bf16 pairs), GEMM rows
         check(qw, rows, torch.bfloat16, seed=rows, bias=True)
 
 
@@ -74,8 +74,8 @@ def test_grouped_codes_with_offsets_match(bits, group, offsets):
     qw = _gguf_like(45, 96 + 5, bits, group, seed=bits + group, offsets=offsets)
     for rows in (1, 3, 4, 6, 1030):
         check(qw, rows, torch.float32, seed=rows, bias=True)
-    for rows in (9, 17, 130):  # bf16 GEMM rows: the codes as bf16, scales per group (odd K: a pad pair)
-        check(qw, rows, torch.bfloat16, seed=rows, bias=True)
+    for rows in (1, 3, 4, 5, 8, 9, 17, 130):  # decode rows, and bf16 GEMM rows: the codes as bf16, scales per group
+        check(qw, rows, torch.bfloat16, seed=rows, bias=True)  # (odd K: a pad pair; the last group 5 k)
 
 
 def test_int8_error_is_half_a_step():

@@ -23,6 +23,11 @@
  *   turn each nibble into its float without a mask or a convert, then one FMA with scale and offset);
  *   int4 rows in bf16 on AVX512-BF16 CPUs skip the floats: each code byte becomes a bf16 pair in one `vpermw` and
  *   `vdpbf16ps` multiplies it with the activations' pair (KVF_U4_BF16; 1.17x at 1 row, 1.71x at 4);
+ *   int8 rows in bf16 (AVX512-BF16 + VBMI, KVF_I8_BF16) too: 1-3 rows split each code into its nibbles (exact
+ *   bf16 pairs by table, I8_HI_BF16), 3 rows widen each pair of k to a bf16 pair once per 3-row tile, and 4-32
+ *   rows run up to 8 at a time against one panel (decode_pairs8), widening each pair once per 8 rows; the 1B
+ *   step's linears, A/B in one process: 1.0x at 1-2 rows (the read bound), 1.2-1.3x at 3-4, 2.0-2.2x at 6-8,
+ *   1.3-1.4x at 12-16 and 1.05x at 32 against the fp32 FMAs (8 rows) and the bf16 GEMM path (9 and more);
  *   more rows, bf16 x on AVX512-BF16 CPUs: a panel group's codes are widened once into a bf16 scratch that
  *   stays in L2 (every code is exact in bf16) and register tiles of rows run `vdpbf16ps` over it, scale and
  *   offset applied per group (bgemm_tile; 2.1x the fp32 path, as fast as the bf16 panels from 256 rows);
@@ -138,6 +143,25 @@ INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
 #define QNEXT_ROWS 4
 #endif
 
+/* int8 x bf16 decode rows (KVF_I8_BF16), chosen by A/B on the 1B step's linears in one process: from
+ * I8_PAIR_ROWS rows a tile of up to 4 rows x 2 panels widens each pair of k to a bf16 pair (fewer rows: the
+ * nibble split; at 2 rows
+ * both ran 0.99x); from PAIRS8_ROWS (4: 1.07x the 4 x 2 tile) to PAIRS8_MAX_ROWS rows, passes of up to 8 rows
+ * against one panel (the walk hands PAIRS8_PANELS panels at a time: 1 ran 1.43-1.52x the 4 x 2 tiles at 5-8
+ * rows, 2 ran 1.29-1.40x, 4 ran 1.24-1.33x); at 32 rows that still ran 1.05x the bf16 GEMM path. */
+#ifndef I8_PAIR_ROWS
+#define I8_PAIR_ROWS 3
+#endif
+#ifndef PAIRS8_PANELS
+#define PAIRS8_PANELS 1
+#endif
+#ifndef PAIRS8_ROWS
+#define PAIRS8_ROWS 4
+#endif
+#ifndef PAIRS8_MAX_ROWS
+#define PAIRS8_MAX_ROWS 32
+#endif
+
 #define DR 4 /* decode tile: up to 4 rows x up to 4 panels (2 panels from 3 rows) */
 #define DP 4
 #ifndef DECODE_ROWS
@@ -211,12 +235,62 @@ INLINE __m512bh u4_pairs_bf16(const uint8_t *p, __m512i table) {
     return (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(t, _mm512_slli_epi32(t, 12)), table);
 }
 
+/* 16 int8 codes as the bf16 bits in the high halves of their fp32 (every code is exact in bf16) */
+INLINE __m512i i8_bf16_bits(const int8_t *p) {
+    return _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
+}
+
+/* A panel's codes of k (at c) and k + 1 (at c + NR) as 16 bf16 pairs, k in the low word; high = 0xFFFF0000 */
+INLINE __m512i i8_pairs_bf16(const int8_t *c, __m512i high) {
+    return _mm512_or_si512(_mm512_srli_epi32(i8_bf16_bits(c), 16), _mm512_and_si512(i8_bf16_bits(c + NR), high));
+}
+
+#if defined(__AVX512VBMI__)
+#define KVF_I8_BF16 1
+/* int8 decode rows with bf16 activations: each code c splits exactly into c = 16 h + l, h its signed high nibble
+ * (-8..7) and l its low one (0..15), and both are tiny integers in bf16, so `vdpbf16ps` multiplies them with the
+ * activations' pairs: x c = x l + x 16h, the two products exact in fp32. Per 4 k of a panel (one 64-byte line of
+ * [K][16] codes) one `vpermb` puts column j's codes in its dword as (k, k + 2, k + 1, k + 3); then each 16-bit word
+ * holds the codes of k and k + 1 (low bytes) or k + 2 and k + 3 (high bytes) of one column, and four `vpermw`s on
+ * the word, shifted by 0, 4, 8 and 12, look up l(k), l(k+1) / 16h(k), 16h(k+1) / ... as bf16 pairs (a table
+ * lookup reads the low 5 bits, so each table repeats its 16 entries). Per 64 codes and row: 1 permute, 3 shifts,
+ * 4 lookups and 4 dot products, instead of 4 x (widen, convert, FMA); on one core, hot in L1, 27.3 against 25.0
+ * G codes/s. The l and 16h sums run in two accumulators (more independent chains), added at the group's end. */
+static const uint16_t I8_HI_BF16[32] = {0x0000, 0x4180, 0x4200, 0x4240, 0x4280, 0x42A0, 0x42C0, 0x42E0,
+                                        0xC300, 0xC2E0, 0xC2C0, 0xC2A0, 0xC280, 0xC240, 0xC200, 0xC180,
+                                        0x0000, 0x4180, 0x4200, 0x4240, 0x4280, 0x42A0, 0x42C0, 0x42E0,
+                                        0xC300, 0xC2E0, 0xC2C0, 0xC2A0, 0xC280, 0xC240, 0xC200, 0xC180};
+/* byte 4j + {0, 1, 2, 3} of the result <- column j's code of k + {0, 2, 1, 3}: row k + i is bytes 16i..16i+15 */
+static const uint8_t I8_PAIR_ORDER[64] = {
+    0,  32, 16, 48, 1,  33, 17, 49, 2,  34, 18, 50, 3,  35, 19, 51, 4,  36, 20, 52, 5,  37, 21, 53,
+    6,  38, 22, 54, 7,  39, 23, 55, 8,  40, 24, 56, 9,  41, 25, 57, 10, 42, 26, 58, 11, 43, 27, 59,
+    12, 44, 28, 60, 13, 45, 29, 61, 14, 46, 30, 62, 15, 47, 31, 63};
+#else
+#define KVF_I8_BF16 0
+#endif
+
 #else
 #define KVF_U4_BF16 0
+#define KVF_I8_BF16 0
 #endif
 
 /* Decode tiles' accumulators: DR rows x DP panels of 16 fp32 lanes. */
 typedef v16 dtile[DR][DP];
+
+#if KVF_U4_BF16
+/* Column panel q of the tile's rows: acc (even = 1) or odd [r][q] += wv . (x[r][k], x[r][k + 1]), bf16 pairs. */
+INLINE void dot_pair_rows(dtile acc, dtile odd, __m512bh wv, const uint16_t *xb, int64_t ldx, int64_t k, int q,
+                          int mr, int even) {
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+        int32_t xp;
+        memcpy(&xp, xb + r * ldx + k, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp);
+        if (even) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], wv, xv);
+        else odd[r][q] = _mm512_dpbf16_ps(odd[r][q], wv, xv);
+    }
+}
+#endif
 
 INLINE void zero_tile(dtile t) {
     for (int r = 0; r < DR; r++)
@@ -267,6 +341,9 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
 #if KVF_U4_BF16
     const __m512i table = _mm512_loadu_si512((const void *)U4_BF16);
 #endif
+#if KVF_I8_BF16
+    const __m512i high = _mm512_loadu_si512((const void *)I8_HI_BF16), order = _mm512_loadu_si512((const void *)I8_PAIR_ORDER);
+#endif
     dtile tot, acc, odd;
     zero_tile(tot);
     const int64_t K = w->K, G = w->group;
@@ -275,8 +352,58 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
         const int64_t k1 = k0 + G < K ? k0 + G : K;
         zero_tile(acc), zero_tile(odd);
         prefetch_group(w, p, np, g + 2, ngroups);
-        if (bits != 4) { /* int8 codes, with or without offsets */
-            for (int64_t k = k0; k < k1; k++) {
+        int64_t k = k0;
+#if KVF_I8_BF16
+        if (bits != 4 && xb && mr >= I8_PAIR_ROWS) { /* int8 x bf16 rows: codes as whole bf16 pairs */
+            const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+            for (; k + 2 <= k1; k += 2) {
+                if (((k - k0) & 3) == 0)
+                    for (int q = 0; q < nnext; q++) __builtin_prefetch(next + q * w->pstride + k * NR, 0, KVF_NEXT_HINT);
+                const int even = ((k - k0) & 2) == 0;
+#pragma GCC unroll 4
+                for (int q = 0; q < np; q++) {
+                    const __m512bh wv = (__m512bh)i8_pairs_bf16((const int8_t *)base + q * w->pstride + k * NR, hi16);
+                    dot_pair_rows(acc, odd, wv, xb, ldx, k, q, mr, even);
+                }
+            }
+#pragma GCC unroll 4
+            for (int q = 0; q < np; q++)
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) acc[r][q] = v_add(acc[r][q], odd[r][q]);
+        } else if (bits != 4 && xb) { /* int8 codes x bf16 rows, 4 k at a time (see I8_HI_BF16); the rest below */
+            for (; k + 4 <= k1; k += 4) {
+                for (int q = 0; q < nnext; q++) __builtin_prefetch(next + q * w->pstride + k * NR, 0, KVF_NEXT_HINT);
+                __m512bh x0[DR], x1[DR];
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) {
+                    int32_t a, b;
+                    memcpy(&a, xb + r * ldx + k, 4), memcpy(&b, xb + r * ldx + k + 2, 4);
+                    x0[r] = (__m512bh)_mm512_set1_epi32(a), x1[r] = (__m512bh)_mm512_set1_epi32(b);
+                }
+#pragma GCC unroll 4
+                for (int q = 0; q < np; q++) {
+                    const __m512i v = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(base + q * w->pstride + k * NR));
+                    const __m512bh l0 = (__m512bh)_mm512_permutexvar_epi16(v, table);
+                    const __m512bh h0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), high);
+                    const __m512bh l1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
+                    const __m512bh h1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), high);
+#pragma GCC unroll 4
+                    for (int r = 0; r < mr; r++) {
+                        acc[r][q] = _mm512_dpbf16_ps(acc[r][q], l0, x0[r]);
+                        odd[r][q] = _mm512_dpbf16_ps(odd[r][q], h0, x0[r]);
+                        acc[r][q] = _mm512_dpbf16_ps(acc[r][q], l1, x1[r]);
+                        odd[r][q] = _mm512_dpbf16_ps(odd[r][q], h1, x1[r]);
+                    }
+                }
+            }
+#pragma GCC unroll 4
+            for (int q = 0; q < np; q++)
+#pragma GCC unroll 4
+                for (int r = 0; r < mr; r++) acc[r][q] = v_add(acc[r][q], odd[r][q]);
+        }
+#endif
+        if (bits != 4) { /* int8 codes, with or without offsets (with bf16 rows: the group's last k % 4) */
+            for (; k < k1; k++) {
                 if ((k & 3) == 0) /* the next tile's line of these 4 k, a panel at a time */
                     for (int q = 0; q < nnext; q++) __builtin_prefetch(next + q * w->pstride + k * NR, 0, KVF_NEXT_HINT);
 #pragma GCC unroll 4
@@ -288,24 +415,17 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
             }
 #if KVF_U4_BF16
         } else if (xb) { /* int4 x bf16 rows: one dot product per pair, pairs alternating between acc and odd */
-            for (int64_t k = k0; k < k1; k += 2) {
+            for (; k < k1; k += 2) {
                 const int even = ((k - k0) & 2) == 0;
 #pragma GCC unroll 4
                 for (int q = 0; q < np; q++) {
                     const __m512bh wv = u4_pairs_bf16(base + q * w->pstride + (k / 2) * NR, table);
-#pragma GCC unroll 4
-                    for (int r = 0; r < mr; r++) {
-                        int32_t xp;
-                        memcpy(&xp, xb + r * ldx + k, 4);
-                        const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp);
-                        if (even) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], wv, xv);
-                        else odd[r][q] = _mm512_dpbf16_ps(odd[r][q], wv, xv);
-                    }
+                    dot_pair_rows(acc, odd, wv, xb, ldx, k, q, mr, even);
                 }
             }
 #endif
         } else {
-            for (int64_t k = k0; k < k1; k += 2) { /* groups are even, so a pair never straddles two */
+            for (; k < k1; k += 2) { /* groups are even, so a pair never straddles two */
 #pragma GCC unroll 4
                 for (int q = 0; q < np; q++) {
                     v16 lo, hi;
@@ -323,6 +443,67 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
     store_tile(tot, mr, np, tile);
 }
 
+#if KVF_I8_BF16
+/* int8 x bf16, 5-8 rows against one panel in one pass: each pair of k's codes is widened to bf16 once for all the
+ * rows (two tiles of 4 rows x 2 panels widened it twice). The same sums as decode_tile's whole-pair path. */
+INLINE void decode_pairs8(const float *xf, const uint16_t *xb, int64_t ldx, const qweight *w, int64_t p, const int mr,
+                          const int bits, const float *xsum, int64_t ngroups, int64_t pnext, int nnext, float *tile) {
+    __m512 tot[8], acc[8], odd[8];
+    for (int r = 0; r < 8; r++) tot[r] = _mm512_setzero_ps();
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    const int64_t K = w->K, G = w->group;
+    const int8_t *base = (const int8_t *)w->codes + p * w->pstride;
+    const uint8_t *next = w->codes + pnext * w->pstride;
+    for (int64_t k0 = 0, g = 0; k0 < K; k0 += G, g++) {
+        const int64_t k1 = k0 + G < K ? k0 + G : K;
+        for (int r = 0; r < 8; r++) acc[r] = odd[r] = _mm512_setzero_ps();
+        prefetch_group(w, p, 1, g + 2, ngroups);
+        int64_t k = k0;
+        for (; k + 2 <= k1; k += 2) {
+            if (((k - k0) & 3) == 0)
+                for (int q = 0; q < nnext; q++) __builtin_prefetch(next + q * w->pstride + k * NR, 0, KVF_NEXT_HINT);
+            const int even = ((k - k0) & 2) == 0;
+            const __m512bh wv = (__m512bh)i8_pairs_bf16(base + k * NR, hi16);
+#pragma GCC unroll 8
+            for (int r = 0; r < mr; r++) {
+                int32_t xp;
+                memcpy(&xp, xb + r * ldx + k, 4);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp);
+                if (even) acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
+                else odd[r] = _mm512_dpbf16_ps(odd[r], wv, xv);
+            }
+        }
+        for (int r = 0; r < mr; r++) acc[r] = _mm512_add_ps(acc[r], odd[r]);
+        for (; k < k1; k++) { /* an odd group's last k */
+            const v16 wv = v_from_i8(base + k * NR);
+            for (int r = 0; r < mr; r++) acc[r] = v_fma_s(xf[r * ldx + k], wv, acc[r]);
+        }
+        const v16 sc = v_load(w->scales + g * w->Np + p * NR);
+        if (bits == INT8_OFFSETS) {
+            const v16 of = v_load(w->offsets + g * w->Np + p * NR);
+            for (int r = 0; r < mr; r++) tot[r] = v_fma_s(xsum[r * ngroups + g], of, v_fma(acc[r], sc, tot[r]));
+        } else {
+            for (int r = 0; r < mr; r++) tot[r] = v_fma(acc[r], sc, tot[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) v_store(tile + r * NR, tot[r]);
+}
+
+static void decode_block8(const float *xf, const uint16_t *xb, int64_t ldx, const qweight *w, int64_t p, int mr,
+                          const float *xsum, int64_t ngroups, int64_t pnext, int nnext, float *tile) {
+#define KVF_PCASE(R)                                                                                          \
+    case R:                                                                                                   \
+        if (w->offsets) decode_pairs8(xf, xb, ldx, w, p, R, INT8_OFFSETS, xsum, ngroups, pnext, nnext, tile); \
+        else decode_pairs8(xf, xb, ldx, w, p, R, 8, xsum, ngroups, pnext, nnext, tile);                       \
+        break;
+    switch (mr) {
+        KVF_PCASE(1) KVF_PCASE(2) KVF_PCASE(3) KVF_PCASE(4) KVF_PCASE(5) KVF_PCASE(6) KVF_PCASE(7) KVF_PCASE(8)
+    default: break;
+    }
+#undef KVF_PCASE
+}
+#endif
+
 /* One specialised copy per (rows, panels, bits): up to 2 rows x 4 panels or 4 rows x 2 panels, so the
  * totals and both accumulator sets stay in registers. */
 static void decode_block(const float *xf, const uint16_t *xb, int64_t ldx, const qweight *w, int64_t p, int mr,
@@ -330,8 +511,8 @@ static void decode_block(const float *xf, const uint16_t *xb, int64_t ldx, const
 #define KVF_DCASE(R, P)                                                                                \
     case (R) * 8 + (P):                                                                                \
         if (w->bits == 8 && w->offsets)                                                                \
-            decode_tile(xf, NULL, ldx, w, p, R, P, INT8_OFFSETS, xsum, ngroups, pnext, nnext, tile);          \
-        else if (w->bits == 8) decode_tile(xf, NULL, ldx, w, p, R, P, 8, xsum, ngroups, pnext, nnext, tile);  \
+            decode_tile(xf, xb, ldx, w, p, R, P, INT8_OFFSETS, xsum, ngroups, pnext, nnext, tile);            \
+        else if (w->bits == 8) decode_tile(xf, xb, ldx, w, p, R, P, 8, xsum, ngroups, pnext, nnext, tile);    \
         else if (xb) decode_tile(xf, xb, ldx, w, p, R, P, 4, xsum, ngroups, pnext, nnext, tile);              \
         else decode_tile(xf, NULL, ldx, w, p, R, P, 4, xsum, ngroups, pnext, nnext, tile);                    \
         break;
@@ -418,10 +599,6 @@ static void gemm_block(const float *xf, int64_t ldx, int64_t Kp, const float *sc
 #define BMG 4 /* groups: 4 x 3 accumulators plus 4 x 3 totals */
 #define BP 3
 
-INLINE __m512i i8_bf16_bits(const int8_t *p) {
-    return _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
-}
-
 static void codes_to_bf16_pairs(const qweight *w, int64_t p, int np, int64_t K2, uint32_t *scratch) {
     const __m512i table = _mm512_loadu_si512((const void *)U4_BF16), high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int q = 0; q < np; q++) {
@@ -430,9 +607,8 @@ static void codes_to_bf16_pairs(const qweight *w, int64_t p, int np, int64_t K2,
         for (int64_t kp = 0; kp < K2; kp++) {
             __m512i v;
             if (w->bits == 8) { /* an integer's fp32 bits end in 16 zeros: its bf16 is the top half */
-                v = _mm512_srli_epi32(i8_bf16_bits((const int8_t *)base + 2 * kp * NR), 16);
-                if (2 * kp + 1 < w->K)
-                    v = _mm512_or_si512(v, _mm512_and_si512(i8_bf16_bits((const int8_t *)base + (2 * kp + 1) * NR), high));
+                const int8_t *c = (const int8_t *)base + 2 * kp * NR;
+                v = 2 * kp + 1 < w->K ? i8_pairs_bf16(c, high) : _mm512_srli_epi32(i8_bf16_bits(c), 16);
             } else {
                 v = (__m512i)u4_pairs_bf16(base + kp * NR, table);
             }
@@ -512,7 +688,10 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     const int64_t Kp = w.Kp, K2 = (K + 1) / 2;
     const int64_t ngroups = (K + group - 1) / group;
     /* bf16 GEMM rows (codes as bf16, see bgemm_tile) wherever groups hold whole k pairs */
-    const int bgemm = KVF_U4_BF16 && x_bf16 && M > DECODE_ROWS && (ngroups == 1 || group % 2 == 0);
+    /* int8 x bf16 rows from PAIRS8_ROWS to PAIRS8_MAX_ROWS: the decode walk, up to 8 rows a pass over each panel */
+    const int rows8 = KVF_I8_BF16 && x_bf16 && bits == 8 && M >= PAIRS8_ROWS && M <= PAIRS8_MAX_ROWS;
+    const int decode = M <= DECODE_ROWS || rows8;
+    const int bgemm = KVF_U4_BF16 && x_bf16 && !decode && (ngroups == 1 || group % 2 == 0);
     /* x as fp32 rows of Kp (a copy when x is bf16 or K must be padded), for every path but bgemm */
     float *xpad = NULL;
     const float *xf = (const float *)x;
@@ -532,7 +711,7 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     /* decode rows and bgemm with offsets (int4; int8 groups from GGUF's Q5_1 / Q5_K): each row's sum of x per
      * group (the offsets' term) */
     float *xsum = NULL;
-    if (offsets && (M <= DECODE_ROWS || bgemm)) {
+    if (offsets && (decode || bgemm)) {
         xsum = (float *)malloc((size_t)(M * ngroups) * sizeof(float));
         if (!xsum) {
             free(xpad);
@@ -550,7 +729,9 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
      * for odd K) */
     const uint16_t *xb = NULL;
     uint16_t *xbpad = NULL;
-    if (KVF_U4_BF16 && x_bf16 && ((bits == 4 && M <= DECODE_ROWS) || bgemm)) {
+    if (KVF_I8_BF16 && x_bf16 && bits == 8 && decode) {
+        xb = (const uint16_t *)x; /* int8 decode rows read x[k..k+3] for k + 4 <= K only: no padding */
+    } else if (KVF_U4_BF16 && x_bf16 && ((bits == 4 && M <= DECODE_ROWS) || bgemm)) {
         xb = (const uint16_t *)x;
         if (K & 1) {
             xbpad = (uint16_t *)calloc((size_t)(M * 2 * K2), sizeof(uint16_t));
@@ -567,18 +748,30 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     const size_t ysz = x_bf16 ? 2 : 4;
     int failed = 0;
     /* decode rows: panels handed out from both ends (kvf_steal.h); NULL: the even split */
-    kvf_range *ranges = M <= DECODE_ROWS ? kvf_ranges_new(P, nthreads) : NULL;
+    kvf_range *ranges = decode ? kvf_ranges_new(P, nthreads) : NULL;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         KVF_TEAM(tid, nth);
         const int64_t p0 = P * tid / nth, p1 = P * (tid + 1) / nth;
         float tile[TILE_FLOATS];
-        if (M <= DECODE_ROWS) {
-            const int rows = (int)(M < DR ? M : DR), dp = rows <= 2 ? DP : 2;
+        if (decode) {
+            const int rows = (int)(M < DR ? M : DR), dp = rows8 ? PAIRS8_PANELS : rows <= 2 ? DP : 2;
             kvf_walk walk = kvf_walk_start(ranges, nthreads, (int)nth, (int)tid, dp, P);
             int64_t p, pnext = 0;
             for (int np; (np = kvf_walk_next(&walk, &p)) > 0;) {
-                const int nnext = bits == 8 && M <= QNEXT_ROWS ? kvf_walk_peek(&walk, &pnext) : 0;
+                const int nnext = bits == 8 && (M <= QNEXT_ROWS || rows8) ? kvf_walk_peek(&walk, &pnext) : 0;
+#if KVF_I8_BF16
+                if (rows8) {
+                    for (int q = 0; q < np; q++)
+                        for (int64_t i = 0; i < M; i += 8) {
+                            const int mr = (int)(M - i < 8 ? M - i : 8), last = i + 8 >= M;
+                            decode_block8(xf + i * Kp, xb + i * Kp, Kp, &w, p + q, mr, xsum ? xsum + i * ngroups : NULL,
+                                          ngroups, q + 1 < np ? p + q + 1 : pnext, !last ? 0 : q + 1 < np ? 1 : nnext, tile);
+                            write_rows(tile, mr, 1, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, (p + q) * NR, bias);
+                        }
+                    continue;
+                }
+#endif
                 for (int64_t i = 0; i < M; i += rows) {
                     const int mr = (int)(M - i < rows ? M - i : rows);
                     decode_block(xf + i * Kp, xb ? xb + i * Kp : NULL, Kp, &w, p, mr, np, xsum ? xsum + i * ngroups : NULL,
