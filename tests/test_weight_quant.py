@@ -173,7 +173,8 @@ def _run_built_with(flags: str, tmp_path, expect: str) -> None:
         "    qw = quantize(torch.randn(37, 131) * 0.2, name, group)\n"
         "    for rows in (1, 2, 4, 5, 9, 1030):\n"
         "        check(qw, rows, torch.float32, seed=rows)\n"
-        "    check(qw, 3, torch.bfloat16, bias=True)\n"
+        "    for rows in (1, 3, 5, 9):\n"
+        "        check(qw, rows, torch.bfloat16, seed=rows, bias=True)\n"
         "check(_gguf_like(21, 70, 4, 32, 1), 7, torch.float32, bias=True)\n"
         "check(_gguf_like(21, 70, 8, 32, 2, offsets=True), 7, torch.float32, bias=True)\n"
         "check(_gguf_like(21, 70, 8, 32, 2, offsets=True), 40, torch.float32)\n"
@@ -183,10 +184,13 @@ def _run_built_with(flags: str, tmp_path, expect: str) -> None:
 
 
 @pytest.mark.parametrize("flags,expect", [
-    ("-mno-avx512f", "avx2"), pytest.param("-mno-avx512f -mno-avx2 -mno-fma", "c", marks=pytest.mark.slow)])
-def test_avx2_and_plain_c_builds_match(tmp_path, flags, expect):
+    ("-mno-avx512f", "avx2"), pytest.param("-mno-avx512f -mno-avx2 -mno-fma", "c", marks=pytest.mark.slow),
+    ("-mno-avx512vbmi", "avx512")])  # AVX-512 without VBMI: int8 x bf16 decode rows on fp32 FMAs again
+def test_avx2_plain_c_and_no_vbmi_builds_match(tmp_path, flags, expect):
     if expect == "avx2" and quant_linear.simd_level() == "c":
         pytest.skip("this CPU has no AVX2")
+    if expect == "avx512" and quant_linear.simd_level() != "avx512":
+        pytest.skip("this CPU has no AVX-512")
     _run_built_with(flags, tmp_path, expect)
 
 
