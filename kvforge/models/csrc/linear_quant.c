@@ -23,7 +23,7 @@
  *   turn each nibble into its float without a mask or a convert, then one FMA with scale and offset);
  *   int4 rows in bf16 on AVX512-BF16 CPUs skip the floats: each code byte becomes a bf16 pair in one `vpermw` and
  *   `vdpbf16ps` multiplies it with the activations' pair (KVF_U4_BF16; 1.17x at 1 row, 1.71x at 4);
- *   int8 rows in bf16 (AVX512-BF16 + VBMI, KVF_I8_BF16) too: 1-3 rows split each code into its nibbles (exact
+ *   int8 rows in bf16 (AVX512-BF16 + VBMI, KVF_I8_BF16) too: 1-2 rows split each code into its nibbles (exact
  *   bf16 pairs by table, I8_HI_BF16), 3 rows widen each pair of k to a bf16 pair once per 3-row tile, and 4-32
  *   rows run up to 8 at a time against one panel (decode_pairs8), widening each pair once per 8 rows; the 1B
  *   step's linears, A/B in one process: 1.0x at 1-2 rows (the read bound), 1.2-1.3x at 3-4, 2.0-2.2x at 6-8,
@@ -145,10 +145,10 @@ INLINE void v_from_u4(const uint8_t *p, v16 *lo, v16 *hi) {
 
 /* int8 x bf16 decode rows (KVF_I8_BF16), chosen by A/B on the 1B step's linears in one process: from
  * I8_PAIR_ROWS rows a tile of up to 4 rows x 2 panels widens each pair of k to a bf16 pair (fewer rows: the
- * nibble split; at 2 rows
- * both ran 0.99x); from PAIRS8_ROWS (4: 1.07x the 4 x 2 tile) to PAIRS8_MAX_ROWS rows, passes of up to 8 rows
- * against one panel (the walk hands PAIRS8_PANELS panels at a time: 1 ran 1.43-1.52x the 4 x 2 tiles at 5-8
- * rows, 2 ran 1.29-1.40x, 4 ran 1.24-1.33x); at 32 rows that still ran 1.05x the bf16 GEMM path. */
+ * nibble split; at 2 rows both ran 0.99x); from PAIRS8_ROWS (4: 1.07x the 4 x 2 tile) to PAIRS8_MAX_ROWS
+ * rows, passes of up to 8 rows against one panel (the walk hands PAIRS8_PANELS panels at a time: 1 ran
+ * 1.43-1.52x the 4 x 2 tiles at 5-8 rows, 2 ran 1.29-1.40x, 4 ran 1.24-1.33x); at 32 rows that still ran
+ * 1.05x the bf16 GEMM path. */
 #ifndef I8_PAIR_ROWS
 #define I8_PAIR_ROWS 3
 #endif
@@ -342,7 +342,8 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
     const __m512i table = _mm512_loadu_si512((const void *)U4_BF16);
 #endif
 #if KVF_I8_BF16
-    const __m512i high = _mm512_loadu_si512((const void *)I8_HI_BF16), order = _mm512_loadu_si512((const void *)I8_PAIR_ORDER);
+    const __m512i high = _mm512_loadu_si512((const void *)I8_HI_BF16);
+    const __m512i order = _mm512_loadu_si512((const void *)I8_PAIR_ORDER);
 #endif
     dtile tot, acc, odd;
     zero_tile(tot);
@@ -382,7 +383,8 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
                 }
 #pragma GCC unroll 4
                 for (int q = 0; q < np; q++) {
-                    const __m512i v = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(base + q * w->pstride + k * NR));
+                    const __m512i line = _mm512_loadu_si512(base + q * w->pstride + k * NR);
+                    const __m512i v = _mm512_permutexvar_epi8(order, line);
                     const __m512bh l0 = (__m512bh)_mm512_permutexvar_epi16(v, table);
                     const __m512bh h0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), high);
                     const __m512bh l1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);
@@ -444,8 +446,9 @@ INLINE void decode_tile(const float *xf, const uint16_t *xb, int64_t ldx, const 
 }
 
 #if KVF_I8_BF16
-/* int8 x bf16, 5-8 rows against one panel in one pass: each pair of k's codes is widened to bf16 once for all the
- * rows (two tiles of 4 rows x 2 panels widened it twice). The same sums as decode_tile's whole-pair path. */
+/* int8 x bf16, up to 8 rows against one panel in one pass (a call of PAIRS8_ROWS to PAIRS8_MAX_ROWS rows makes
+ * passes of 8): each pair of k's codes is widened to bf16 once for all of them (at 8 rows, two tiles of 4 rows x
+ * 2 panels widened it twice). The same sums as decode_tile's whole-pair path. */
 INLINE void decode_pairs8(const float *xf, const uint16_t *xb, int64_t ldx, const qweight *w, int64_t p, const int mr,
                           const int bits, const float *xsum, int64_t ngroups, int64_t pnext, int nnext, float *tile) {
     __m512 tot[8], acc[8], odd[8];
@@ -765,8 +768,10 @@ int kvf_qlinear(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
                     for (int q = 0; q < np; q++)
                         for (int64_t i = 0; i < M; i += 8) {
                             const int mr = (int)(M - i < 8 ? M - i : 8), last = i + 8 >= M;
+                            const int64_t pn = q + 1 < np ? p + q + 1 : pnext; /* the next panel, prefetched */
+                            const int nn = !last ? 0 : q + 1 < np ? 1 : nnext;   /* by the last pass only */
                             decode_block8(xf + i * Kp, xb + i * Kp, Kp, &w, p + q, mr, xsum ? xsum + i * ngroups : NULL,
-                                          ngroups, q + 1 < np ? p + q + 1 : pnext, !last ? 0 : q + 1 < np ? 1 : nnext, tile);
+                                          ngroups, pn, nn, tile);
                             write_rows(tile, mr, 1, (char *)y + (size_t)(i * N) * ysz, x_bf16, N, (p + q) * NR, bias);
                         }
                     continue;
