@@ -30,23 +30,6 @@ from kvforge.native import NativeLibrary
 SHAPES = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # benchmarks/random_llama.py's 1b preset
 
 
-def call(lib, qw: ql.QuantWeight, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:  # type: ignore[no-untyped-def]
-    """One linear through `lib`, as `quant_linear` calls it (no bias)."""
-    bf16 = int(x.dtype == torch.bfloat16)
-    m = x.shape[0]
-    if qw.act_int8 and qw.bits == 4:
-        rc = lib.kvf_qlinear_a8w4(x.data_ptr(), bf16, m, qw.k, qw.codes.data_ptr(), qw.scales.data_ptr(),
-                                  qw.offsets.data_ptr(), qw.group, qw.n, None, y.data_ptr(), threads)
-    elif qw.act_int8:
-        rc = lib.kvf_qlinear_a8(x.data_ptr(), bf16, m, qw.k, qw.codes.data_ptr(), qw.scales.data_ptr(), qw.n, None,
-                                y.data_ptr(), threads)
-    else:
-        offsets = qw.offsets.data_ptr() if qw.offsets is not None else None
-        rc = lib.kvf_qlinear(x.data_ptr(), bf16, m, qw.k, qw.codes.data_ptr(), qw.bits, qw.scales.data_ptr(), offsets,
-                             qw.group, qw.n, None, y.data_ptr(), threads)
-    assert rc == 0, "the kernel could not allocate its buffers"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old-source", type=Path, required=True, help="the old linear_quant.c")
@@ -79,7 +62,7 @@ def main() -> None:
         def step(name: str) -> float:
             t = time.perf_counter()
             for q, x, y in zip(qws, xs, ys[name]):
-                call(loaded[name], q, x, y, threads)
+                assert ql.kernel_call(loaded[name], x, q, None, y, threads) == 0, "out of memory"
             return time.perf_counter() - t
 
         for name in loaded:  # warm up

@@ -340,28 +340,28 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = N
     if m == 0:
         return y.view(*lead, qw.n)
     b = bias.detach().float().contiguous() if bias is not None else None
-    if qw.act_int8 and qw.bits == 4:
-        rc = lib.kvf_qlinear_a8w4(x2.data_ptr(), int(x.dtype == torch.bfloat16), m, qw.k, qw.codes.data_ptr(),
-                                  qw.scales.data_ptr(), qw.offsets.data_ptr(), qw.group, qw.n,
-                                  b.data_ptr() if b is not None else None, y.data_ptr(),
-                                  num_threads or torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("the int4 x int8-activation linear kernel could not allocate its buffers")
-        return y.view(*lead, qw.n)
-    if qw.act_int8:
-        rc = lib.kvf_qlinear_a8(x2.data_ptr(), int(x.dtype == torch.bfloat16), m, qw.k, qw.codes.data_ptr(),
-                                qw.scales.data_ptr(), qw.n, b.data_ptr() if b is not None else None, y.data_ptr(),
-                                num_threads or torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("the int8-activation linear kernel could not allocate its buffers")
-        return y.view(*lead, qw.n)
-    offsets = qw.offsets.data_ptr() if qw.offsets is not None else None
-    rc = lib.kvf_qlinear(x2.data_ptr(), int(x.dtype == torch.bfloat16), m, qw.k, qw.codes.data_ptr(), qw.bits,
-                         qw.scales.data_ptr(), offsets, qw.group, qw.n, b.data_ptr() if b is not None else None,
-                         y.data_ptr(), num_threads or torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("the int8/int4 linear kernel could not allocate its scratch")
+    if kernel_call(lib, x2, qw, b, y, num_threads or torch.get_num_threads()) != 0:
+        kind = "int8/int4" if not qw.act_int8 else "int4 x int8-activation" if qw.bits == 4 else "int8-activation"
+        raise MemoryError(f"the {kind} linear kernel could not allocate its buffers")
     return y.view(*lead, qw.n)
+
+
+def kernel_call(lib: ctypes.CDLL, x2: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None, y: torch.Tensor,
+                threads: int) -> int:
+    """One call of the kernel `lib` (this tree's or, in benchmarks/quant_linear_ab.py, another build) for the
+    weight's path: y[M, N] = x2[M, K] @ W^T (+ fp32 bias), x2 contiguous in the codes' order. Returns its code
+    (0, or -1 when out of memory)."""
+    bf16, m = int(x2.dtype == torch.bfloat16), x2.shape[0]
+    b = bias.data_ptr() if bias is not None else None
+    if qw.act_int8 and qw.bits == 4:
+        return lib.kvf_qlinear_a8w4(x2.data_ptr(), bf16, m, qw.k, qw.codes.data_ptr(), qw.scales.data_ptr(),
+                                    qw.offsets.data_ptr(), qw.group, qw.n, b, y.data_ptr(), threads)
+    if qw.act_int8:
+        return lib.kvf_qlinear_a8(x2.data_ptr(), bf16, m, qw.k, qw.codes.data_ptr(), qw.scales.data_ptr(), qw.n, b,
+                                  y.data_ptr(), threads)
+    offsets = qw.offsets.data_ptr() if qw.offsets is not None else None
+    return lib.kvf_qlinear(x2.data_ptr(), bf16, m, qw.k, qw.codes.data_ptr(), qw.bits, qw.scales.data_ptr(), offsets,
+                           qw.group, qw.n, b, y.data_ptr(), threads)
 
 
 def quantize_activations(x: torch.Tensor, group: int = A8_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
