@@ -1,0 +1,188 @@
+"""A batch workload's steps, one by one, against what each step must at least cost.
+
+Why: `peers.py` gives a batch's wall time and `batch_profile.py` the share of each kind of work, but neither
+says how far each step sits from its floor, so neither says where a faster batch could still come from. This
+runs `peers.py`'s kvforge workload in-process, times every step and sorts it by what it ran:
+
+- mixed steps (prefill chunks, with the running requests' decode rows riding along);
+- decode-only steps, bucketed by their rows.
+
+For each bucket it prints the steps, their time, the time per token, and two floors a step cannot beat:
+
+- weights: the weight bytes one step reads (`decode_profile.bytes_read_per_token`) at the read bandwidth
+  probed in this process before and after the run (best of 5 over 1 GiB each; the higher of the two, as this
+  VM's bandwidth swings from minute to minute);
+- FLOPs: the step's linear FLOPs (every layer linear for each token, the lm_head for each sampled row) at the
+  rate the model's largest linear reaches on 1,024 rows in this process (its cache-friendly best).
+
+A step's floor is the larger of the two; attention and every other op are left out of it, so the floor is a
+bound, not a target. `of floor` is floor / time: what the bucket reaches of it.
+
+    PYTHONPATH=. python benchmarks/batch_steps.py --model-size 1b [--dtype bfloat16] [--workload batch] [--save FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import peers  # noqa: E402
+from decode_profile import bytes_read_per_token, read_bandwidth_gbs  # noqa: E402
+
+# decode-only steps by rows: (first, last) of each bucket
+ROW_BUCKETS = ((1, 4), (5, 8), (9, 12), (13, 16), (17, 24), (25, 32), (33, 64), (65, 256))
+
+
+@dataclass
+class Step:
+    prefill_tokens: int
+    decode_rows: int
+    sampled: int  # rows whose logits the step computed (lm_head rows)
+    seconds: float
+
+
+def linear_flops(model: torch.nn.Module) -> tuple[int, int]:
+    """(FLOPs of every layer linear for one token, FLOPs of the lm_head for one row)."""
+    head = getattr(model, "lm_head", None)
+    layers = sum(2 * m.in_features * m.out_features for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) and m is not head)
+    return layers, (2 * head.in_features * head.out_features if head is not None else 0)
+
+
+def gemm_rate(model: torch.nn.Module, rows: int = 1024, repeats: int = 3) -> float:
+    """GFLOP/s of the model's largest layer linear on `rows` rows: the FLOP floor's rate."""
+    head = getattr(model, "lm_head", None)
+    big = max((m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head),
+              key=lambda m: m.in_features * m.out_features)
+    dtype = next(big.parameters()).dtype
+    x = torch.randn(rows, big.in_features).to(dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        big(x)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            big(x)
+            best = min(best, time.perf_counter() - t)
+    return 2 * rows * big.in_features * big.out_features / best / 1e9
+
+
+def trace(llm, work: list[tuple[list[int], int]]) -> list[Step]:  # type: ignore[no-untyped-def]
+    """Every step of `work` on this engine, as it ran."""
+    from kvforge import SamplingParams
+
+    engine = llm.engine
+    steps: list[Step] = []
+    execute = engine.runner.execute
+
+    def timed(sched_out):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        ran = execute(sched_out)
+        seconds = time.perf_counter() - t
+        pre = dec = sampled = 0
+        for c in sched_out.chunks:
+            prompt = c.request.num_prompt_tokens
+            if c.start < prompt:
+                pre += c.num_tokens
+                sampled += c.start + c.num_tokens >= prompt  # the chunk that ends a prompt samples
+            else:
+                dec += c.num_tokens
+                sampled += c.num_tokens
+        steps.append(Step(pre, dec, sampled, seconds))
+        return ran
+
+    engine.runner.execute = timed
+    try:
+        for prompt, out in work:
+            engine.add_request(prompt_token_ids=prompt,
+                               params=SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.runner.execute = execute
+    return steps
+
+
+def report(steps: list[Step], weight_bytes: int, bandwidth_gbs: float, flops: tuple[int, int],
+           rate_gflops: float) -> str:
+    layer_flops, head_flops = flops
+
+    def floor(s: Step) -> float:
+        read = weight_bytes / (bandwidth_gbs * 1e9)
+        compute = ((s.prefill_tokens + s.decode_rows) * layer_flops + s.sampled * head_flops) / (rate_gflops * 1e9)
+        return max(read, compute)
+
+    groups: list[tuple[str, list[Step]]] = [("mixed (prefill + decode rows)", [s for s in steps if s.prefill_tokens])]
+    for lo, hi in ROW_BUCKETS:
+        groups.append((f"decode {lo}-{hi} rows", [s for s in steps if not s.prefill_tokens and lo <= s.decode_rows <= hi]))
+    wall = sum(s.seconds for s in steps)
+    lines = [f"{'steps':<30} {'n':>4} {'s':>7} {'share':>6} {'ms/step':>8} {'ms/token':>8} {'floor s':>8} "
+             f"{'of floor':>8}"]
+    for name, group in groups:
+        if not group:
+            continue
+        sec = sum(s.seconds for s in group)
+        tokens = sum(s.prefill_tokens + s.decode_rows for s in group)
+        low = sum(floor(s) for s in group)
+        lines.append(f"{name:<30} {len(group):>4} {sec:>7.2f} {sec / wall:>6.1%} {sec / len(group) * 1e3:>8.1f} "
+                     f"{sec / tokens * 1e3:>8.2f} {low:>8.2f} {low / sec:>8.0%}")
+    low = sum(floor(s) for s in steps)
+    lines.append(f"{'all':<30} {len(steps):>4} {wall:>7.2f} {1:>6.0%} {wall / len(steps) * 1e3:>8.1f} "
+                 f"{wall / sum(s.prefill_tokens + s.decode_rows for s in steps) * 1e3:>8.2f} {low:>8.2f} "
+                 f"{low / wall:>8.0%}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv", default="model", choices=sorted(peers.KVFORGE_KV))
+    ap.add_argument("--workload", default="batch", choices=peers.WORKLOADS)
+    ap.add_argument("--model-size", default=None, choices=["1b", "3b"],
+                    help="a random-weight Llama of this size (benchmarks/random_llama.py); default: the default model")
+    ap.add_argument("--model", default=None, help="a model folder (instead of --model-size or the default model)")
+    ap.add_argument("--scale", type=float, default=1.0, help="the workload's size, as peers.py --scale")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save", default=None, help="also write the output to this file")
+    args = ap.parse_args()
+    if args.model and args.model_size:
+        ap.error("give --model or --model-size, not both")
+
+    from kvforge import LLM, SamplingParams
+
+    model = args.model
+    if args.model_size:
+        from random_llama import ensure_model
+
+        model = ensure_model(args.model_size, log=lambda s: print(s, file=sys.stderr))
+    llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=peers.KVFORGE_KV[args.kv],
+              kv_cache_memory=f"{peers.KV_MEMORY_GIB}GiB", max_model_len=4096, log_ledger=False, **peers.BUDGET)
+    net = llm.engine.runner.model
+    work = peers.requests(args.workload, args.seed, args.scale, llm.engine.model_config.vocab_size)
+    llm.generate(prompt_token_ids=[[work[0][0][0]] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up, as peers.py does
+    llm.reset_prefix_cache()
+    before = read_bandwidth_gbs(1024)
+    steps = trace(llm, work)
+    rate, after = gemm_rate(net), read_bandwidth_gbs(1024)
+    bandwidth = max(before, after)
+    weights = bytes_read_per_token(net)
+    head = (f"# {args.workload} {args.dtype} kv={args.kv} model={args.model_size or 'default'}: "
+            f"{sum(o for _, o in work)} output tokens; budget {peers.BUDGET}\n"
+            f"# floors: {weights / 1e9:.3f} GB of weights a step at {bandwidth:.1f} GB/s (probes before / after the "
+            f"run: {before:.1f} / {after:.1f}); "
+            f"linear FLOPs at {rate:.0f} GFLOP/s (the largest layer linear on 1,024 rows)")
+    text = head + "\n" + report(steps, weights, bandwidth, linear_flops(net), rate)
+    print(text)
+    if args.save:
+        with open(args.save, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

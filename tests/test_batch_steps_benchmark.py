@@ -1,0 +1,73 @@
+"""benchmarks/batch_steps.py: its floors and buckets on made-up steps, and a run on a tiny model whose buckets add
+up to the whole."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiny_models import build_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import batch_steps  # noqa: E402
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    """The table's rows by name (the columns after the name)."""
+    out = {}
+    for line in text.splitlines()[1:]:
+        name, cells = line[:30].strip(), line[30:].split()
+        out[name] = cells
+    return out
+
+
+def test_floors_are_the_larger_of_reading_the_weights_and_the_flops() -> None:
+    steps = [
+        # a mixed step: 1,000 tokens of FLOPs (1 GFLOP each at 100 GFLOP/s: 10 s) beat reading 1 GB at 10 GB/s
+        batch_steps.Step(prefill_tokens=990, decode_rows=10, sampled=12, seconds=20.0),
+        # one decode row: the weights (0.1 s) beat its FLOPs (1 + 0.5 GFLOP at 100: 0.015 s)
+        batch_steps.Step(prefill_tokens=0, decode_rows=1, sampled=1, seconds=0.2),
+        # 30 rows: 30 x 1.5 GFLOP at 100 GFLOP/s = 0.45 s
+        batch_steps.Step(prefill_tokens=0, decode_rows=30, sampled=30, seconds=0.9),
+    ]
+    table = rows(batch_steps.report(steps, weight_bytes=10**9, bandwidth_gbs=10.0, flops=(10**9, 5 * 10**8),
+                                    rate_gflops=100.0))
+    mixed = table["mixed (prefill + decode rows)"]
+    # n, s, share, ms/step, ms/token, floor s, of floor
+    assert mixed[0] == "1" and float(mixed[1]) == 20.0
+    assert float(mixed[5]) == pytest.approx(1000 * 1e9 / 100e9 + 12 * 0.5e9 / 100e9, abs=0.01)  # 10.06 s
+    assert mixed[6] == "50%"
+    one = table["decode 1-4 rows"]
+    assert float(one[5]) == pytest.approx(0.1, abs=0.01) and one[6] == "50%"
+    thirty = table["decode 25-32 rows"]
+    assert float(thirty[5]) == pytest.approx(0.45, abs=0.01) and thirty[6] == "50%"
+    assert "decode 5-8 rows" not in table  # empty buckets are left out
+    whole = table["all"]
+    assert whole[0] == "3" and float(whole[1]) == pytest.approx(21.1)
+
+
+def test_a_tiny_run_traces_every_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = str(tmp_path / "tiny")
+    build_tiny_model(model, max_position_embeddings=4096)
+    save = tmp_path / "steps.txt"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "batch_steps.py"), "--model", model,
+                           "--dtype", "float32", "--scale", "0.25", "--save", str(save)],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert save.read_text().strip() == proc.stdout.strip()
+    table = rows(proc.stdout.split("\n", 2)[2])
+    assert "mixed (prefill + decode rows)" in table and "all" in table
+    buckets = [cells for name, cells in table.items() if name != "all"]
+    assert sum(int(c[0]) for c in buckets) == int(table["all"][0])
+    assert sum(float(c[1]) for c in buckets) == pytest.approx(float(table["all"][1]), abs=0.02 * len(buckets))
+
+
+def test_model_and_model_size_together_are_refused() -> None:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "batch_steps.py"), "--model", "x",
+                           "--model-size", "1b"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and "--model or --model-size" in proc.stderr
