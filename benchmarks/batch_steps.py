@@ -153,20 +153,15 @@ def main() -> None:
     if args.model and args.model_size:
         ap.error("give --model or --model-size, not both")
 
-    from kvforge import LLM, SamplingParams
-
     model = args.model
     if args.model_size:
         from random_llama import ensure_model
 
         model = ensure_model(args.model_size, log=lambda s: print(s, file=sys.stderr))
-    llm = LLM(model=model, dtype=args.dtype, kv_cache_dtype=peers.KVFORGE_KV[args.kv],
-              kv_cache_memory=f"{peers.KV_MEMORY_GIB}GiB", max_model_len=4096, log_ledger=False, **peers.BUDGET)
+    llm = peers.kvforge_llm(args.dtype, args.kv, model)
     net = llm.engine.runner.model
     work = peers.requests(args.workload, args.seed, args.scale, llm.engine.model_config.vocab_size)
-    llm.generate(prompt_token_ids=[[work[0][0][0]] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # warm-up, as peers.py does
-    llm.reset_prefix_cache()
+    peers.warm_up(llm, work)
     before = read_bandwidth_gbs(1024)
     steps = trace(llm, work)
     rate, after = gemm_rate(net), read_bandwidth_gbs(1024)

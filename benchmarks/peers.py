@@ -150,18 +150,32 @@ class Meter:
                 "decode_steps_s": self.decode_steps / span if span else 0.0}
 
 
+def kvforge_llm(dtype: str, kv: str, model: str | None = None, quantization: str = "none", group_size: int = 32):  # type: ignore[no-untyped-def]
+    """kvforge's LLM as every benchmark of this workload set runs it: the shared budget and KV pool."""
+    from kvforge import LLM
+
+    return LLM(model=model, dtype=dtype, kv_cache_dtype=KVFORGE_KV[kv], quantization=None if quantization == "none"
+               else quantization, quantization_group_size=group_size, kv_cache_memory=f"{KV_MEMORY_GIB}GiB",
+               max_model_len=4096, log_ledger=False, **BUDGET)
+
+
+def warm_up(llm, work: list[tuple[list[int], int]]) -> None:  # type: ignore[no-untyped-def]
+    """One short request before the timed run (kernels built, buffers sized), its prefix cache then dropped."""
+    from kvforge import SamplingParams
+
+    llm.generate(prompt_token_ids=[[work[0][0][0]] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    llm.reset_prefix_cache()
+
+
 def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool, model: str | None = None,
                 quantization: str = "none", probe: bool = False, group_size: int = 32) -> dict:
-    from kvforge import LLM, SamplingParams
+    from kvforge import SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, kv_cache_dtype=KVFORGE_KV[kv], quantization=None if quantization == "none"
-              else quantization, quantization_group_size=group_size, kv_cache_memory=f"{KV_MEMORY_GIB}GiB",
-              max_model_len=4096, log_ledger=False, **BUDGET)
+    llm = kvforge_llm(dtype, kv, model, quantization, group_size)
     engine = llm.engine
     if warm:
-        llm.generate(prompt_token_ids=[[work[0][0][0]] * 16], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)
-        llm.reset_prefix_cache()
+        warm_up(llm, work)
     ids = {}
     meter = Meter(len(work))
     for i, (prompt, out) in enumerate(work):
