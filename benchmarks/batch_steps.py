@@ -35,8 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
 from decode_profile import bytes_read_per_token, read_bandwidth_gbs  # noqa: E402
 
-# decode-only steps by rows: (first, last) of each bucket
-ROW_BUCKETS = ((1, 4), (5, 8), (9, 12), (13, 16), (17, 24), (25, 32), (33, 64), (65, 256))
+# decode-only steps by rows: (first, last) of each bucket; None: no upper end, so every step lands in one
+ROW_BUCKETS = ((1, 4), (5, 8), (9, 12), (13, 16), (17, 24), (25, 32), (33, 64), (65, None))
 
 
 @dataclass
@@ -119,7 +119,8 @@ def report(steps: list[Step], weight_bytes: int, bandwidth_gbs: float, flops: tu
 
     groups: list[tuple[str, list[Step]]] = [("mixed (prefill + decode rows)", [s for s in steps if s.prefill_tokens])]
     for lo, hi in ROW_BUCKETS:
-        groups.append((f"decode {lo}-{hi} rows", [s for s in steps if not s.prefill_tokens and lo <= s.decode_rows <= hi]))
+        name = f"decode {lo}-{hi} rows" if hi else f"decode {lo}+ rows"
+        groups.append((name, [s for s in steps if not s.prefill_tokens and lo <= s.decode_rows <= (hi or s.decode_rows)]))
     wall = sum(s.seconds for s in steps)
     lines = [f"{'steps':<30} {'n':>4} {'s':>7} {'share':>6} {'ms/step':>8} {'ms/token':>8} {'floor s':>8} "
              f"{'of floor':>8}"]

@@ -33,6 +33,8 @@ def test_floors_are_the_larger_of_reading_the_weights_and_the_flops() -> None:
         batch_steps.Step(prefill_tokens=0, decode_rows=1, sampled=1, seconds=0.2),
         # 30 rows: 30 x 1.5 GFLOP at 100 GFLOP/s = 0.45 s
         batch_steps.Step(prefill_tokens=0, decode_rows=30, sampled=30, seconds=0.9),
+        # past the last bounded bucket: 300 x 1.5 GFLOP = 4.5 s
+        batch_steps.Step(prefill_tokens=0, decode_rows=300, sampled=300, seconds=9.0),
     ]
     table = rows(batch_steps.report(steps, weight_bytes=10**9, bandwidth_gbs=10.0, flops=(10**9, 5 * 10**8),
                                     rate_gflops=100.0))
@@ -46,8 +48,10 @@ def test_floors_are_the_larger_of_reading_the_weights_and_the_flops() -> None:
     thirty = table["decode 25-32 rows"]
     assert float(thirty[5]) == pytest.approx(0.45, abs=0.01) and thirty[6] == "50%"
     assert "decode 5-8 rows" not in table  # empty buckets are left out
+    many = table["decode 65+ rows"]  # the open-ended bucket: no step falls outside every bucket
+    assert many[0] == "1" and float(many[5]) == pytest.approx(4.5, abs=0.01)
     whole = table["all"]
-    assert whole[0] == "3" and float(whole[1]) == pytest.approx(21.1)
+    assert whole[0] == "4" and float(whole[1]) == pytest.approx(30.1)
 
 
 def test_a_tiny_run_traces_every_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
