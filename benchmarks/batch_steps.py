@@ -174,10 +174,7 @@ def main() -> None:
             f"run: {before:.1f} / {after:.1f}); "
             f"linear FLOPs at {rate:.0f} GFLOP/s (the largest layer linear on 1,024 rows)")
     text = head + "\n" + report(steps, weights, bandwidth, linear_flops(net), rate)
-    print(text)
-    if args.save:
-        with open(args.save, "w") as f:
-            f.write(text + "\n")
+    peers.emit(text, args.save)
 
 
 if __name__ == "__main__":

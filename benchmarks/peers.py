@@ -150,6 +150,14 @@ class Meter:
                 "decode_steps_s": self.decode_steps / span if span else 0.0}
 
 
+def emit(text: str, save: str | None) -> None:
+    """A benchmark's report: printed, and written to `save` too when given (the same text)."""
+    print(text)
+    if save:
+        with open(save, "w") as f:
+            f.write(text + "\n")
+
+
 def kvforge_llm(dtype: str, kv: str, model: str | None = None, quantization: str = "none", group_size: int = 32):  # type: ignore[no-untyped-def]
     """kvforge's LLM as every benchmark of this workload set runs it: the shared budget and KV pool."""
     from kvforge import LLM

@@ -76,6 +76,9 @@ _DECLARED = (
     EnvVar("KVFORGE_KV_QUANT_KERNEL", True, _flag, "0: quantized KV writes quantize in torch"),
     EnvVar("KVFORGE_KV_ROTATE", True, _flag, "0: a rotated KV cache's Hadamard rotation runs in torch (same bits)"),
     EnvVar("KVFORGE_ONEDNN_LINEAR", True, _flag, "0: fp32 CPU linears on torch's default BLAS, no oneDNN packing"),
+    EnvVar("KVFORGE_WEIGHT_PAGES", True, _flag,
+           "0: CPU weights stay on the pages they were loaded into (no move onto fresh 2 MiB pages after "
+           "packing, models/weight_pages.py)"),
     # --- backend choices ---
     EnvVar("KVFORGE_LINEAR", "auto", _choice("KVFORGE_LINEAR", LINEAR_BACKENDS),
            "layout CPU weights are packed in: auto (panel where its SIMD path is built), onednn, panel, "
@@ -101,6 +104,7 @@ if TYPE_CHECKING:  # what `envs.NAME` gives, for type checkers (the values come 
     KVFORGE_KV_QUANT_KERNEL: bool
     KVFORGE_KV_ROTATE: bool
     KVFORGE_ONEDNN_LINEAR: bool
+    KVFORGE_WEIGHT_PAGES: bool
     KVFORGE_LINEAR: str
     KVFORGE_BF16_GEMM: str
     KVFORGE_FUZZ_EXAMPLES: int

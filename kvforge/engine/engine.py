@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvforge import envs
 from kvforge.attention import check_backend_device
 from kvforge.checkpoint_quant import CHECKPOINT_QUANT_METHODS, label
 from kvforge.config import ModelConfig, torch_dtype
@@ -44,6 +45,7 @@ from kvforge.kv.tiers.tiers import flush_tiers_at_exit
 from kvforge.kv.utilization import KVUtilizationStats, stored_after_step
 from kvforge.ledger import num_blocks_for_memory, split_kv_blocks, tensor_parallel_kv
 from kvforge.models.linear import pack_linear_weights
+from kvforge.models.weight_pages import WeightPages, settle_weight_pages
 from kvforge.models.registry import build_model
 from kvforge.models.weight_stream import load_into, parameters_on_meta
 from kvforge.progress import StageProgress
@@ -69,7 +71,7 @@ class LLMEngine:
         # the weights stream in block by block (models/weight_stream.py): reading, converting and quantizing
         # interleave, and each stage's line counts its own seconds
         stages = ["reading headers", "building model", "reading weights", "converting weights",
-                  "packing linear layers", "allocating the KV pool"]
+                  "packing linear layers", "moving weights onto fresh pages", "allocating the KV pool"]
         calibrating = opts.quantization_calibration_tokens > 0  # GPTQ: the dense weights first, codes after
         quantize_stage = stages.index("packing linear layers")  # quantizing comes just before packing
         if calibrating:
@@ -93,6 +95,7 @@ class LLMEngine:
             self.config = config = config.replace(dtype=dtype)  # everything below sees the concrete dtype
             opts = config.model_options
             self.executor = None
+            self.weight_pages: WeightPages | None = None  # set where this process holds the weights on the CPU
             if config.parallel_config.tensor_parallel_size > 1:  # the ranks load their own shards (kvforge/distributed)
                 from kvforge.engine.parallel.executor import TensorParallelExecutor
 
@@ -122,6 +125,10 @@ class LLMEngine:
 
                 self.model_fingerprint = model_fingerprint(self.model)  # the KV tiers' namespace; taken before packing
                 pack_linear_weights(self.model)  # CPU: weights re-laid out once for oneDNN (models/linear.py)
+                p.next()
+                # CPU: the packed weights leave the scattered pages loading left them on (models/weight_pages.py)
+                self.weight_pages = (settle_weight_pages(self.model, envs.KVFORGE_WEIGHT_PAGES)
+                                     if self.device.type == "cpu" else None)
                 p.next()
             self._init_cache_and_scheduler(p)
 
@@ -213,6 +220,8 @@ class LLMEngine:
             check_eviction_supported(cfg)
             self.eviction = EvictionTracker(config.eviction_config, self.kv)
         self.report.dtype_reason = self.dtype_reason
+        if self.weight_pages is not None:
+            self.report.weight_pages = self.weight_pages.describe()
         if self.gpu_memory is not None:
             self.report.kv_sizing = self.gpu_memory.describe()
         if self.executor is None and auto_rotation_caches(caches):  # kv_cache_rotation="auto": measured per layer

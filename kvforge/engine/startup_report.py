@@ -58,6 +58,7 @@ class StartupReport:
     kv_budget: int | None = None
     environment: list[tuple[str, str]] = field(default_factory=list)  # KVFORGE_* variables set (kvforge.envs)
     weights_format: str = ""  # quantization=: the linear layers' weight formats (models/weight_quant.describe)
+    weight_pages: str = ""  # CPU: where the weights' pages went after packing (models/weight_pages.py)
 
     @property
     def max_concurrency_evicting(self) -> float:
@@ -98,6 +99,7 @@ class StartupReport:
             ("scheduler", f"max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens}"),
             *((("attention", self.attention),) if self.attention else ()),
             *((("linear layers", self.linear),) if self.linear else ()),
+            *((("weight pages", self.weight_pages),) if self.weight_pages else ()),
             *self.tiers,
             *self.parallel,
             *((("environment", ", ".join(f"{k}={v}" for k, v in self.environment)),) if self.environment else ()),

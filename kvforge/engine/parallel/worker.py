@@ -61,6 +61,11 @@ class _Rank:
         self.dtype = torch_dtype(opts.dtype)
         self.model = model.to(dtype=self.dtype, device=device).eval()
         pack_linear_weights(self.model)
+        if device.type == "cpu":  # off the scattered pages loading left (models/weight_pages.py)
+            from kvforge import envs
+            from kvforge.models.weight_pages import settle_weight_pages
+
+            settle_weight_pages(self.model, envs.KVFORGE_WEIGHT_PAGES)
         self.caches: list = []
         self.layer_groups: list[int] = []
 
