@@ -13,7 +13,8 @@ the same flags, and times both:
   stay in a 32 MiB L3 only in part) at each of `--rows`, per round old then new, printing the
   median time, the weights' GB/s and the median of the per-round ratios old/new with its range.
 
-Outputs are checked equal (the kernel's results do not depend on its prefetches). The GEMM tile is this
+The weights are first moved onto fresh 2 MiB pages, as an engine's load does (`--no-weight-pages`: left where
+packing put them). Outputs are checked equal (the kernel's results do not depend on its prefetches). The GEMM tile is this
 CPU's choice unless `--mode dot|fma` forces one in both builds.
 
 `--gated` adds this tree's fused gate|up + SiLU-and-multiply call (`panel_linear_silu_mul`) against its two
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from kvforge.models import panel_linear as pl
+from kvforge.models.weight_pages import settle_weight_pages
 from kvforge.native import NativeLibrary
 
 # (N, K) of qkv, o, gate|up, down, and the layer count
@@ -65,6 +67,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="layers in the step A/B (default: the model's)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--mode", choices=["auto", "dot", "fma"], default="auto")
+    ap.add_argument("--weight-pages", action=argparse.BooleanOptionalAction, default=True,
+                    help="move the weights onto fresh 2 MiB pages first, as an engine's load does (default: on)")
     ap.add_argument("--gated", action="store_true", help="also time the fused gate|up + SiLU call against two calls")
     ap.add_argument("--gated-rows", type=int, nargs="+", default=[1, 16, 128, 1024])
     args = ap.parse_args()
@@ -82,6 +86,11 @@ def main() -> None:
     args.layers = args.layers or num_layers
     torch.manual_seed(0)
     layers = [[pl.pack_panels((torch.randn(n, k) * 0.02).bfloat16()) for n, k in shapes] for _ in range(args.layers)]
+    if args.weight_pages:  # where an engine's weights sit since 0696115 (models/weight_pages.py)
+        holder = torch.nn.Module()
+        for i, pw in enumerate(pw for layer in layers for pw in layer):
+            setattr(holder, f"w{i}", pw)
+        print(f"weights: {settle_weight_pages(holder).describe()}")
 
     # prefill shapes: best of the repeats, calls alternating
     m = args.prefill_rows
