@@ -5,8 +5,8 @@ while the page cache fills with the checkpoint and earlier buffers are freed, an
 6 MiB qkv panels sat in 702 different 2 MiB physical frames. Decode streams every weight byte each
 step, and streaming scattered pages costs time. On the 2-core Zen 4 VM, with the loaded weights, a
 fresh copy and a 2 MiB-page copy run in turn in one process, a decode step's linears ran
-1.05-1.22x faster on fresh pages at 1-8 rows and 1.05x at 32
-(benchmarks/results/2026-12-07_weight_pages_1b_bf16_ab.txt). Where the kernel gives 2 MiB pages
+1.14-1.19x slower on the loaded weights than on the 2 MiB copy at 4-8 rows, 1.05x at 32; moved in place,
+they matched it (benchmarks/results/2026-12-07_weight_pages_1b_bf16_ab.txt). Where the kernel gives 2 MiB pages
 (`madvise(MADV_HUGEPAGE)`, which its default THP mode "madvise" asks for), they also save the TLB
 misses.
 
@@ -15,7 +15,8 @@ The chunk's pages are then dropped (`MADV_DONTNEED`) and the bytes copied back, 
 faults in new pages. The virtual addresses stay the same: no tensor, view or tied weight is rewired.
 The pieces go to one worker thread per torch thread (up to 8): the new pages' faults, where the kernel
 zeroes and may first compact memory for each 2 MiB page, take most of the time, and they run side by
-side (2 GB on this VM: 2.2-5.0 s on one thread, 0.3-1.5 s on two). The extra memory is a 4 MiB scratch
+side (a 2 GB buffer on this VM: 2.2-5.0 s on one thread, 0.3-1.5 s on two; the 1B preset's 2.15 GB of
+weights, 2.7 s on two). The extra memory is a 4 MiB scratch
 buffer per worker. Only whole pages inside a storage are touched, and
 only in private anonymous mappings (the heap, or anonymous `mmap`). A file-backed mapping is never
 dropped: a shared one would write the file, and a private one would revert to the file's bytes.
