@@ -72,6 +72,8 @@ _DECLARED = (
     EnvVar("KVFORGE_CPU_KERNEL", True, _flag, "0: no C attention kernel (decode and prefill take torch sdpa)"),
     EnvVar("KVFORGE_FUSED_OPS", True, _flag, "0: RMSNorm, rotary and SiLU-and-multiply as torch expressions"),
     EnvVar("KVFORGE_FUSED_LAYERS", True, _flag, "0: decode steps run layer by layer in Python, not one C call"),
+    EnvVar("KVFORGE_LAST_LAYER_ROWS", True, _flag,
+           "0: a step's last decoder layer computes every row, not only the rows whose logits are read"),
     EnvVar("KVFORGE_PANEL_LINEAR", True, _flag, "0: no panel linear kernels (oneDNN or torch linears)"),
     EnvVar("KVFORGE_KV_QUANT_KERNEL", True, _flag, "0: quantized KV writes quantize in torch"),
     EnvVar("KVFORGE_KV_ROTATE", True, _flag, "0: a rotated KV cache's Hadamard rotation runs in torch (same bits)"),
@@ -105,6 +107,7 @@ if TYPE_CHECKING:  # what `envs.NAME` gives, for type checkers (the values come 
     KVFORGE_KV_ROTATE: bool
     KVFORGE_ONEDNN_LINEAR: bool
     KVFORGE_WEIGHT_PAGES: bool
+    KVFORGE_LAST_LAYER_ROWS: bool
     KVFORGE_LINEAR: str
     KVFORGE_BF16_GEMM: str
     KVFORGE_FUZZ_EXAMPLES: int

@@ -7,6 +7,7 @@ of rows.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -32,3 +33,33 @@ class AttentionMetadata:
     attention_mass: object | None = field(default=None, repr=False, compare=False)
     # What a backend derives once per step and every layer reuses (e.g. the CPU kernels' checked indices).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def rows_as_decodes(self, rows: Sequence[int]) -> AttentionMetadata:
+        """`rows` of this step (ascending, distinct) as decode rows: each one query over its sequence's
+        context up to and including its own token, whose K/V the step has already written.
+
+        Why: a model's last layer needs only the rows whose logits are read (a sampled sequence's last
+        token; `LlamaForCausalLM.forward`'s `output_rows`), and one query's attention in the full step is
+        that query alone over the same context: the decode path. The slot mapping is the rows' own (nothing
+        is written with it); eviction's attention mass stays off (its scores want every query)."""
+        dev = self.slot_mapping.device
+        index = torch.tensor(list(rows), dtype=torch.int64, device=dev)
+        # decode rows come first and prefill chunks follow in row order, so the parts below keep `rows`' order
+        dec = index[index < self.num_decodes]
+        parts = [(self.decode_block_tables[dec], self.decode_seq_lens[dec])] if len(dec) else []
+        for c in self.prefills:
+            sel = index[(index >= c.rows.start) & (index < c.rows.stop)]
+            if len(sel):
+                parts.append((c.block_table.expand(len(sel), -1), sel - c.rows.start + c.start + 1))
+        width = max((t.shape[1] for t, _ in parts), default=1)
+        # padded with block 0, as the runner pads decode tables
+        table = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t, _ in parts]) if parts \
+            else torch.zeros(0, 1, dtype=torch.int64, device=dev)
+        seq_lens = torch.cat([n for _, n in parts]) if parts else torch.zeros(0, dtype=torch.int64, device=dev)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[index],
+            num_decodes=len(index),
+            decode_block_tables=table,
+            decode_seq_lens=seq_lens,
+            backend=self.backend,
+        )

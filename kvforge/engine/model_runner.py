@@ -222,6 +222,14 @@ class ModelRunner:
             logits = self.decode_graphs.run(input_ids, positions, meta)  # None: this size could not be captured
             if logits is not None:
                 return logits if rows is None else sampled_rows(logits, rows) if rows else None
+        if rows is not None and getattr(self.model, "takes_output_rows", False):
+            # the model computes only the rows read (its last layer prunes the rest: models/output_rows.py)
+            distinct = sorted(set(rows))
+            hidden = self.model(input_ids, positions, self.caches, meta, output_rows=distinct)
+            if not rows:
+                return None
+            at = {r: i for i, r in enumerate(distinct)}
+            return self.model.compute_logits(sampled_rows(hidden, [at[r] for r in rows]))
         hidden = self.model(input_ids, positions, self.caches, meta)
         if rows is not None:
             if not rows:

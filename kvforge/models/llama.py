@@ -6,6 +6,8 @@ over the block tables; the metadata travels as an argument, never a global.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from kvforge.models.decode_layers import run_decode_layers
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, pack_checkpoint, per_layer_metadata
 from kvforge.models.linear import Linear
 from kvforge.models.moe import DeepseekMoE, is_moe_layer
+from kvforge.models.output_rows import OutputRows, last_layer_rows, select_rows
 
 
 class LlamaAttention(nn.Module):
@@ -41,19 +44,28 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+        rows: OutputRows | None = None,
     ) -> torch.Tensor:
+        """Every row's K/V written; the output of every row, or with `rows` of those rows only (their
+        queries attend as decode rows over what the step wrote)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        cos_q, sin_q = cos, sin
+        if rows is not None:
+            q, cos_q, sin_q = q[rows.index], cos[rows.index], sin[rows.index]
+        tq = q.shape[0]
         if self.q_norm is not None and self.k_norm is not None:  # rows of head_dim: the fused 2-D RMSNorm path
             q = self.q_norm(q.reshape(-1, self.head_dim))
             k = self.k_norm(k.reshape(-1, self.head_dim))
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        q = apply_rotary(q.reshape(tq, self.num_heads, self.head_dim), cos_q, sin_q)
         k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         cache.write(meta.slot_mapping, k, v)
-        out = paged_attention(q, cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(t, -1))
+        if tq == 0:  # no row of this step is read: the K/V write was all it owed
+            return x.new_empty(0, x.shape[1])
+        out = paged_attention(q, cache, rows.meta if rows is not None else meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(tq, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -67,8 +79,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, meta):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+    def forward(self, x, cos, sin, cache, meta, rows: OutputRows | None = None):  # type: ignore[no-untyped-def]
+        """With `rows`: the output of those rows only (every row's K/V still written)."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, rows)
+        x = (x if rows is None else x[rows.index]) + h
+        if x.shape[0] == 0:
+            return x
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -81,6 +97,8 @@ class LlamaBackbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    takes_output_rows = True  # forward(..., output_rows=): the runner passes the rows whose logits it reads
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -92,17 +110,26 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKVCache],
-        meta: AttentionMetadata | list[AttentionMetadata],
+        meta: AttentionMetadata | list[AttentionMetadata], output_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
+        """Final hidden states of every row, or of `output_rows` only (ascending, distinct: the rows whose
+        logits the caller reads). Why the argument: the last layer's output is needed only there, so that
+        layer computes its attention output, o_proj and MLP for those rows alone (`last_layer_rows`); in
+        a prefill chunk that is one row of the chunk, and at the 1B preset o_proj and the MLP are ~5.6% of
+        a prefill token's linear FLOPs. Every row's K/V is written as before."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         fused_out = run_decode_layers(self, x, cos, sin, caches, meta)  # decode steps: one C call, same result
         if fused_out is not None:
-            return self.model.norm(fused_out)
+            return self.model.norm(select_rows(fused_out, output_rows))
         metas = per_layer_metadata(meta, len(self.model.layers))
-        for layer, cache, layer_meta in zip(self.model.layers, caches, metas):
-            x = layer(x, cos, sin, cache, layer_meta)
-        return self.model.norm(x)
+        last = len(self.model.layers) - 1
+        rows = last_layer_rows(metas[last], caches[last], output_rows, x.shape[0])
+        for i, (layer, cache, layer_meta) in enumerate(zip(self.model.layers, caches, metas)):
+            x = layer(x, cos, sin, cache, layer_meta, rows if i == last else None)
+        if rows is None:
+            x = select_rows(x, output_rows)
+        return self.model.norm(x) if x.shape[0] else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
