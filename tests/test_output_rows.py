@@ -46,11 +46,12 @@ def _mlp_rows(llm) -> tuple[list[int], list[int]]:  # type: ignore[no-untyped-de
     return first, last
 
 
+@pytest.mark.parametrize("family", ["llama_gqa", "gemma3"])
 @pytest.mark.parametrize("pruned", [True, False], ids=["pruned", "KVFORGE_LAST_LAYER_ROWS=0"])
-def test_last_layer_takes_only_the_sampled_rows(tiny_model_factory, monkeypatch, pruned):
+def test_last_layer_takes_only_the_sampled_rows(tiny_model_factory, monkeypatch, pruned, family):
     monkeypatch.setenv("KVFORGE_LAST_LAYER_ROWS", "1" if pruned else "0")
     monkeypatch.setenv("KVFORGE_FUSED_LAYERS", "0")  # decode steps through the Python layers too
-    path, _ = tiny_model_factory("llama_gqa")
+    path, _ = tiny_model_factory(family)
     llm = LLM(model=path, log_ledger=False, dtype="float32", num_kv_blocks=64, block_size=16, max_num_batched_tokens=32)
     first, last = _mlp_rows(llm)
     llm.generate(prompt_token_ids=[list(range(1, 51))], sampling_params=SamplingParams(max_tokens=3, temperature=0))
@@ -60,10 +61,12 @@ def test_last_layer_takes_only_the_sampled_rows(tiny_model_factory, monkeypatch,
     assert_no_leaks(llm.engine)
 
 
-def test_pruned_last_layer_matches_every_row(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("family", ["llama_gqa", "mistral_swa", "gemma2", "gemma3"])
+def test_pruned_last_layer_matches_every_row(tiny_model_factory, monkeypatch, family):
     """Chunked prompts (chunks that sample nothing), decode rows beside prefill rows, two samples of one
-    prompt, and prompt logprobs: the same tokens and logprobs as the unpruned path, fp32."""
-    path, _ = tiny_model_factory("llama_gqa")
+    prompt, and prompt logprobs: the same tokens and logprobs as the unpruned path, fp32 (sliding windows,
+    Gemma 2's soft-capping and Gemma 3's local / global layers included)."""
+    path, _ = tiny_model_factory(family)
     prompts = [list(range(3, 90)), [5, 6, 7], list(range(40, 10, -1))]
     params = [SamplingParams(max_tokens=6, temperature=0, logprobs=3),
               SamplingParams(max_tokens=6, temperature=0, n=2, logprobs=3),

@@ -17,6 +17,8 @@ group's metadata, so local layers read tables whose out-of-window blocks went ba
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -27,6 +29,7 @@ from kvforge.kv.storage.layer_cache import LayerKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, per_layer_metadata
 from kvforge.models.linear import Linear
 from kvforge.models.llama import LlamaForCausalLM
+from kvforge.models.output_rows import OutputRows, last_layer_rows, select_rows
 
 
 def _activation(cfg: ModelConfig) -> str:
@@ -70,18 +73,28 @@ class GemmaAttention(nn.Module):
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
 
     def forward(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata,
+        rows: OutputRows | None = None,
     ) -> torch.Tensor:
+        """Every row's K/V written; the output of every row, or with `rows` of those rows only (q_proj too)."""
         t = hidden.shape[0]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_dim)
+        hq, cos_q, sin_q = (hidden, cos, sin) if rows is None else (hidden[rows.index], cos[rows.index], sin[rows.index])
+        tq = hq.shape[0]
         k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            k = self.k_norm(k)
+        k = apply_rotary(k, cos, sin)
         cache.write(meta.slot_mapping, k, v)
-        out = paged_attention(q, cache, meta, self.scale, self.sliding_window, self.softcap)
-        return self.o_proj(out.reshape(t, -1))
+        if tq == 0:  # no row of this step is read: the K/V write was all it owed
+            return hidden.new_empty(0, hidden.shape[1])
+        q = self.q_proj(hq).view(tq, self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = apply_rotary(q, cos_q, sin_q)
+        out = paged_attention(q, cache, rows.meta if rows is not None else meta, self.scale, self.sliding_window,
+                              self.softcap)
+        return self.o_proj(out.reshape(tq, -1))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -96,8 +109,13 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(h, eps, offset=1.0)
         self.is_sliding = self.self_attn.sliding_window is not None
 
-    def forward(self, x, cos, sin, cache, meta):  # type: ignore[no-untyped-def]
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, meta))
+    def forward(self, x, cos, sin, cache, meta, rows: OutputRows | None = None):  # type: ignore[no-untyped-def]
+        """With `rows`: the output of those rows only (every row's K/V still written)."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, rows)
+        x = x if rows is None else x[rows.index]
+        if x.shape[0] == 0:
+            return x
+        x = x + self.post_attention_layernorm(h)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -111,6 +129,8 @@ class GemmaBackbone(nn.Module):
 
 class GemmaForCausalLM(nn.Module):
     """Gemma2ForCausalLM and Gemma3ForCausalLM (text-only) checkpoints."""
+
+    takes_output_rows = True  # forward(..., output_rows=): see LlamaForCausalLM
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -126,15 +146,21 @@ class GemmaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerKVCache],
-        meta: AttentionMetadata | list[AttentionMetadata],
+        meta: AttentionMetadata | list[AttentionMetadata], output_rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
+        """Final hidden states of every row, or of `output_rows` only, whose last layer computes those rows
+        alone (as `LlamaForCausalLM.forward`; models/output_rows.py)."""
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # rounded to the dtype, as HF does
         rope = {True: self.rotary_local(positions, x.dtype), False: self.rotary_global(positions, x.dtype)}
         metas = per_layer_metadata(meta, len(self.model.layers))
-        for layer, cache, layer_meta in zip(self.model.layers, caches, metas):
-            x = layer(x, *rope[layer.is_sliding], cache, layer_meta)
-        return self.model.norm(x)
+        last = len(self.model.layers) - 1
+        rows = last_layer_rows(metas[last], caches[last], output_rows, x.shape[0])
+        for i, (layer, cache, layer_meta) in enumerate(zip(self.model.layers, caches, metas)):
+            x = layer(x, *rope[layer.is_sliding], cache, layer_meta, rows if i == last else None)
+        if rows is None:
+            x = select_rows(x, output_rows)
+        return self.model.norm(x) if x.shape[0] else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
