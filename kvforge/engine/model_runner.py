@@ -40,6 +40,23 @@ def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return hidden[torch.tensor(rows, device=hidden.device)]
 
 
+def forward_rows(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, caches: Sequence,
+                 meta: Any, rows: list[int] | None) -> torch.Tensor | None:
+    """The forward pass (every row's K/V written), then the final hidden states of the flattened batch's
+    `rows` (None: every row; []: none, and None comes back). A model that `takes_output_rows` gets the
+    distinct rows and computes its last layer for them only (models/output_rows.py); `rows` may repeat one
+    (a prompt's n samples). The runner and each tensor-parallel rank call this."""
+    if rows is not None and getattr(model, "takes_output_rows", False):
+        distinct = sorted(set(rows))
+        hidden = model(input_ids, positions, caches, meta, output_rows=distinct)
+        at = {r: i for i, r in enumerate(distinct)}
+        return sampled_rows(hidden, [at[r] for r in rows]) if rows else None
+    hidden = model(input_ids, positions, caches, meta)
+    if rows is None:
+        return hidden
+    return sampled_rows(hidden, rows) if rows else None
+
+
 class ModelRunner:
     def __init__(
         self, model: torch.nn.Module, caches: list[PagedLayerStorage], layer_groups: list[int], block_size: int,
@@ -222,20 +239,8 @@ class ModelRunner:
             logits = self.decode_graphs.run(input_ids, positions, meta)  # None: this size could not be captured
             if logits is not None:
                 return logits if rows is None else sampled_rows(logits, rows) if rows else None
-        if rows is not None and getattr(self.model, "takes_output_rows", False):
-            # the model computes only the rows read (its last layer prunes the rest: models/output_rows.py)
-            distinct = sorted(set(rows))
-            hidden = self.model(input_ids, positions, self.caches, meta, output_rows=distinct)
-            if not rows:
-                return None
-            at = {r: i for i, r in enumerate(distinct)}
-            return self.model.compute_logits(sampled_rows(hidden, [at[r] for r in rows]))
-        hidden = self.model(input_ids, positions, self.caches, meta)
-        if rows is not None:
-            if not rows:
-                return None
-            hidden = sampled_rows(hidden, rows)
-        return self.model.compute_logits(hidden)
+        hidden = forward_rows(self.model, input_ids, positions, self.caches, meta, rows)
+        return None if hidden is None else self.model.compute_logits(hidden)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

@@ -97,14 +97,12 @@ class _Rank:
                     cache.copy_blocks(pairs)
         if input_ids is None:
             return None
-        hidden = self.model(input_ids.to(self.device), positions.to(self.device), self.caches,
-                            _to_device(meta, self.device))
-        if rows is not None:
-            if not rows:
-                return None
-            from kvforge.engine.model_runner import sampled_rows
+        from kvforge.engine.model_runner import forward_rows
 
-            hidden = sampled_rows(hidden, rows)
+        hidden = forward_rows(self.model, input_ids.to(self.device), positions.to(self.device), self.caches,
+                              _to_device(meta, self.device), rows)
+        if hidden is None:  # nothing read this step (the same on every rank)
+            return None
         logits = self.model.compute_logits(hidden)  # every rank joins the all-gather
         return logits.cpu() if self.rank == 0 else None
 
