@@ -27,12 +27,12 @@ def _meta() -> AttentionMetadata:
 
 
 def test_rows_as_decodes_gives_each_row_its_context_and_table():
-    rows = _meta().rows_as_decodes([1, 4, 6, 10])
+    rows = _meta().rows_as_decodes(torch.tensor([1, 4, 6, 10]))
     assert rows.num_decodes == 4 and not rows.prefills
     assert rows.decode_seq_lens.tolist() == [10, 6, 8, 4]  # row 4: 3 cached + 3rd of its chunk; row 6: chunk's last
     assert rows.decode_block_tables.tolist() == [[9, 10, 11], [1, 2, 0], [1, 2, 0], [3, 0, 0]]
     assert rows.slot_mapping.tolist() == [101, 104, 106, 110]
-    empty = _meta().rows_as_decodes([])
+    empty = _meta().rows_as_decodes(torch.zeros(0, dtype=torch.int64))
     assert empty.num_decodes == 0 and empty.decode_seq_lens.numel() == 0
 
 

@@ -7,7 +7,6 @@ of rows.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,8 +33,8 @@ class AttentionMetadata:
     # What a backend derives once per step and every layer reuses (e.g. the CPU kernels' checked indices).
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def rows_as_decodes(self, rows: Sequence[int]) -> AttentionMetadata:
-        """`rows` of this step (ascending, distinct) as decode rows: each one query over its sequence's
+    def rows_as_decodes(self, index: torch.Tensor) -> AttentionMetadata:
+        """Rows `index` of this step ([R] int64 on the metadata's device, ascending, distinct) as decode rows: each one query over its sequence's
         context up to and including its own token, whose K/V the step has already written.
 
         Why: a model's last layer needs only the rows whose logits are read (a sampled sequence's last
@@ -43,7 +42,6 @@ class AttentionMetadata:
         that query alone over the same context: the decode path. The slot mapping is the rows' own (nothing
         is written with it); eviction's attention mass stays off (its scores want every query)."""
         dev = self.slot_mapping.device
-        index = torch.tensor(list(rows), dtype=torch.int64, device=dev)
         # decode rows come first and prefill chunks follow in row order, so the parts below keep `rows`' order
         dec = index[index < self.num_decodes]
         parts = [(self.decode_block_tables[dec], self.decode_seq_lens[dec])] if len(dec) else []

@@ -31,13 +31,7 @@ from kvforge.kv.interface import KVExport, KVLoad
 from kvforge.kv.storage.layer_cache import PagedLayerStorage
 from kvforge.kv.tiers.block_io import BlockMover
 from kvforge.kv.tiers.tiers import KVTiers
-
-
-def sampled_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The flattened batch's `rows` of `hidden`; a decode step samples every row, and takes no gather."""
-    if rows == list(range(hidden.shape[0])):
-        return hidden
-    return hidden[torch.tensor(rows, device=hidden.device)]
+from kvforge.models.output_rows import select_rows
 
 
 def forward_rows(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, caches: Sequence,
@@ -50,11 +44,11 @@ def forward_rows(model: torch.nn.Module, input_ids: torch.Tensor, positions: tor
         distinct = sorted(set(rows))
         hidden = model(input_ids, positions, caches, meta, output_rows=distinct)
         at = {r: i for i, r in enumerate(distinct)}
-        return sampled_rows(hidden, [at[r] for r in rows]) if rows else None
+        return select_rows(hidden, [at[r] for r in rows]) if rows else None
     hidden = model(input_ids, positions, caches, meta)
     if rows is None:
         return hidden
-    return sampled_rows(hidden, rows) if rows else None
+    return select_rows(hidden, rows) if rows else None
 
 
 class ModelRunner:
@@ -238,7 +232,7 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.serves(meta, input_ids.shape[0]):
             logits = self.decode_graphs.run(input_ids, positions, meta)  # None: this size could not be captured
             if logits is not None:
-                return logits if rows is None else sampled_rows(logits, rows) if rows else None
+                return logits if rows is None else select_rows(logits, rows) if rows else None
         hidden = forward_rows(self.model, input_ids, positions, self.caches, meta, rows)
         return None if hidden is None else self.model.compute_logits(hidden)
 

@@ -29,7 +29,7 @@ from kvforge.kv.storage.layer_cache import LayerKVCache
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, per_layer_metadata
 from kvforge.models.linear import Linear
 from kvforge.models.llama import LlamaForCausalLM
-from kvforge.models.output_rows import OutputRows, last_layer_rows, select_rows
+from kvforge.models.output_rows import OutputRows, run_layers
 
 
 def _activation(cfg: ModelConfig) -> str:
@@ -78,7 +78,8 @@ class GemmaAttention(nn.Module):
     ) -> torch.Tensor:
         """Every row's K/V written; the output of every row, or with `rows` of those rows only (q_proj too)."""
         t = hidden.shape[0]
-        hq, cos_q, sin_q = (hidden, cos, sin) if rows is None else (hidden[rows.index], cos[rows.index], sin[rows.index])
+        hq, cos_q, sin_q = (hidden, cos, sin) if rows is None else (hidden[rows.index], cos[rows.index],
+                                                                     sin[rows.index])
         tq = hq.shape[0]
         k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
@@ -154,12 +155,7 @@ class GemmaForCausalLM(nn.Module):
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # rounded to the dtype, as HF does
         rope = {True: self.rotary_local(positions, x.dtype), False: self.rotary_global(positions, x.dtype)}
         metas = per_layer_metadata(meta, len(self.model.layers))
-        last = len(self.model.layers) - 1
-        rows = last_layer_rows(metas[last], caches[last], output_rows, x.shape[0])
-        for i, (layer, cache, layer_meta) in enumerate(zip(self.model.layers, caches, metas)):
-            x = layer(x, *rope[layer.is_sliding], cache, layer_meta, rows if i == last else None)
-        if rows is None:
-            x = select_rows(x, output_rows)
+        x = run_layers(self.model.layers, x, caches, metas, output_rows, lambda layer: rope[layer.is_sliding])
         return self.model.norm(x) if x.shape[0] else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from kvforge.models.decode_layers import run_decode_layers
 from kvforge.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, pack_checkpoint, per_layer_metadata
 from kvforge.models.linear import Linear
 from kvforge.models.moe import DeepseekMoE, is_moe_layer
-from kvforge.models.output_rows import OutputRows, last_layer_rows, select_rows
+from kvforge.models.output_rows import OutputRows, run_layers, select_rows
 
 
 class LlamaAttention(nn.Module):
@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states of every row, or of `output_rows` only (ascending, distinct: the rows whose
         logits the caller reads). Why the argument: the last layer's output is needed only there, so that
-        layer computes its attention output, o_proj and MLP for those rows alone (`last_layer_rows`); in
+        layer computes its attention output, o_proj and MLP for those rows alone (`output_rows.run_layers`); in
         a prefill chunk that is one row of the chunk, and at the 1B preset o_proj and the MLP are ~5.6% of
         a prefill token's linear FLOPs. Every row's K/V is written as before."""
         x = self.model.embed_tokens(input_ids)
@@ -123,12 +123,7 @@ class LlamaForCausalLM(nn.Module):
         if fused_out is not None:
             return self.model.norm(select_rows(fused_out, output_rows))
         metas = per_layer_metadata(meta, len(self.model.layers))
-        last = len(self.model.layers) - 1
-        rows = last_layer_rows(metas[last], caches[last], output_rows, x.shape[0])
-        for i, (layer, cache, layer_meta) in enumerate(zip(self.model.layers, caches, metas)):
-            x = layer(x, cos, sin, cache, layer_meta, rows if i == last else None)
-        if rows is None:
-            x = select_rows(x, output_rows)
+        x = run_layers(self.model.layers, x, caches, metas, output_rows, lambda layer: (cos, sin))
         return self.model.norm(x) if x.shape[0] else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

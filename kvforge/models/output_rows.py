@@ -13,10 +13,11 @@ query), when a rotation calibration records the queries, when every row is read 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from kvforge import envs
 from kvforge.attention.metadata import AttentionMetadata
@@ -36,11 +37,24 @@ def last_layer_rows(meta: AttentionMetadata, cache: object, output_rows: Sequenc
     if meta.attention_mass is not None or getattr(cache, "recorded", None) is not None:
         return None
     index = torch.tensor(list(output_rows), dtype=torch.int64, device=meta.slot_mapping.device)
-    return OutputRows(index, meta.rows_as_decodes(output_rows))
+    return OutputRows(index, meta.rows_as_decodes(index))
 
 
-def select_rows(hidden: torch.Tensor, output_rows: Sequence[int] | None) -> torch.Tensor:
-    """`hidden`'s `output_rows` (None or every row in order: `hidden` itself, no gather)."""
-    if output_rows is None or list(output_rows) == list(range(hidden.shape[0])):
+def run_layers(layers: Sequence[nn.Module], x: torch.Tensor, caches: Sequence, metas: Sequence[AttentionMetadata],
+               output_rows: Sequence[int] | None, rope: Callable[[nn.Module], tuple[torch.Tensor, torch.Tensor]],
+               ) -> torch.Tensor:
+    """x through every decoder layer (`rope(layer)`: that layer's cos and sin), the last one on the rows
+    `last_layer_rows` gives where it can; returns the hidden states of `output_rows` (None: every row).
+    Why shared: each model that `takes_output_rows` runs its stack this way."""
+    last = len(layers) - 1
+    rows = last_layer_rows(metas[last], caches[last], output_rows, x.shape[0])
+    for i, (layer, cache, meta) in enumerate(zip(layers, caches, metas)):
+        x = layer(x, *rope(layer), cache, meta, rows if i == last else None)
+    return x if rows is not None else select_rows(x, output_rows)
+
+
+def select_rows(hidden: torch.Tensor, rows: Sequence[int] | None) -> torch.Tensor:
+    """`hidden`'s `rows`, which may repeat one (None, or every row in order: `hidden` itself, no gather)."""
+    if rows is None or list(rows) == list(range(hidden.shape[0])):
         return hidden
-    return hidden[torch.tensor(list(output_rows), dtype=torch.int64, device=hidden.device)]
+    return hidden[torch.tensor(list(rows), dtype=torch.int64, device=hidden.device)]
