@@ -12,8 +12,12 @@ For each bucket it prints the steps, their time, the time per token, and two flo
 - weights: the weight bytes one step reads (`decode_profile.bytes_read_per_token`) at the read bandwidth
   probed in this process before and after the run (best of 5 over 1 GiB each; the higher of the two, as this
   VM's bandwidth swings from minute to minute);
-- FLOPs: the step's linear FLOPs (every layer linear for each token, the lm_head for each sampled row) at the
+- FLOPs: the step's linear FLOPs (every layer linear for each token, less the last layer's linears after
+  its K/V projections for the rows whose logits are not read, and the lm_head for each sampled row) at the
   rate the model's largest linear reaches on 1,024 rows in this process (its cache-friendly best).
+
+In bf16 it also prints the CPU's VDPBF16PS peak on the same threads, on registers alone
+(`csrc/bf16_peak.c`), and the run's linear FLOPs at that peak: the time no bf16 kernel on this CPU beats.
 
 A step's floor is the larger of the two; attention and every other op are left out of it, so the floor is a
 bound, not a target. `of floor` is floor / time: what the bucket reaches of it.
@@ -47,29 +51,81 @@ class Step:
     seconds: float
 
 
-def linear_flops(model: torch.nn.Module) -> tuple[int, int]:
-    """(FLOPs of every layer linear for one token, FLOPs of the lm_head for one row)."""
+def linear_flops(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(FLOPs of every layer linear for one token, FLOPs of the lm_head for one row, FLOPs a row whose logits
+    are not read skips: the last layer's linears but its K/V projections (Llama's fused q|k|v runs whole),
+    where the model computes that layer on the read rows alone, `kvforge/models/output_rows.py`; else 0)."""
+    from kvforge import envs
+
     head = getattr(model, "lm_head", None)
-    layers = sum(2 * m.in_features * m.out_features for m in model.modules()
-                 if isinstance(m, torch.nn.Linear) and m is not head)
-    return layers, (2 * head.in_features * head.out_features if head is not None else 0)
+
+    def flops(mod: torch.nn.Module) -> int:
+        return sum(2 * m.in_features * m.out_features for m in mod.modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head)
+
+    skipped = 0
+    if getattr(model, "takes_output_rows", False) and envs.KVFORGE_LAST_LAYER_ROWS:
+        attn = model.model.layers[-1].self_attn
+        kept = [getattr(attn, n) for n in ("qkv_proj", "k_proj", "v_proj") if hasattr(attn, n)]  # every row's K/V
+        skipped = flops(model.model.layers[-1]) - sum(flops(m) for m in kept)
+    return flops(model), (2 * head.in_features * head.out_features if head is not None else 0), skipped
+
+
+def step_flops(s: "Step", flops: tuple[int, int, int]) -> int:
+    """The linear FLOPs a step must run: every row through the layers, less what its unread rows skip, and
+    the lm_head on the read rows."""
+    layer, head, skipped = flops
+    rows = s.prefill_tokens + s.decode_rows
+    return rows * layer - (rows - s.sampled) * skipped + s.sampled * head
 
 
 def gemm_rate(model: torch.nn.Module, rows: int = 1024, repeats: int = 3) -> float:
-    """GFLOP/s of the model's largest layer linear on `rows` rows: the FLOP floor's rate."""
+    """GFLOP/s of the model's largest layer linear on `rows` rows: the FLOP floor's rate. A panel-packed
+    weight is timed into one preallocated output: the 1B preset's gate|up output is 32 MiB, which glibc
+    maps afresh on every call, and its 8,192 page faults cost ~10% of the call on this VM; the engine's
+    prefill never allocates it (its gate|up call writes silu(gate) * up, half the size)."""
+    from kvforge.models.panel_linear import panel_linear
+
     head = getattr(model, "lm_head", None)
     big = max((m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head),
               key=lambda m: m.in_features * m.out_features)
-    dtype = next(big.parameters()).dtype
+    pw = getattr(big, "panel_weight", None) if getattr(big, "quant_weight", None) is None else None
+    dtype = pw.dtype if pw is not None else next(big.parameters()).dtype
     x = torch.randn(rows, big.in_features).to(dtype)
+    out = torch.empty(rows, big.out_features, dtype=dtype) if pw is not None else None
+
+    def call() -> None:
+        if pw is not None:
+            panel_linear(x, pw, big.bias, out=out)
+        else:
+            big(x)
+
     best = float("inf")
     with torch.inference_mode():
-        big(x)
+        call()
         for _ in range(repeats):
             t = time.perf_counter()
-            big(x)
+            call()
             best = min(best, time.perf_counter() - t)
     return 2 * rows * big.in_features * big.out_features / best / 1e9
+
+
+def bf16_peak_gflops(threads: int, rounds: int = 5) -> float | None:
+    """The CPU's VDPBF16PS rate on `threads` threads, on registers alone (csrc/bf16_peak.c says why); None
+    where it cannot be measured (no compiler, or no AVX512-BF16)."""
+    import ctypes
+    from pathlib import Path
+
+    from kvforge.native import NativeLibrary
+
+    def declare(lib: ctypes.CDLL) -> None:
+        lib.kvf_bf16_peak_gflops.restype = ctypes.c_double
+        lib.kvf_bf16_peak_gflops.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+
+    lib = NativeLibrary(Path(__file__).resolve().parent / "csrc" / "bf16_peak.c", None, "the bf16 peak probe",
+                        declare).load()
+    rate = lib.kvf_bf16_peak_gflops(threads, 20_000_000, rounds) if lib is not None else -1.0
+    return rate if rate > 0 else None
 
 
 def trace(llm, work: list[tuple[list[int], int]]) -> list[Step]:  # type: ignore[no-untyped-def]
@@ -108,14 +164,11 @@ def trace(llm, work: list[tuple[list[int], int]]) -> list[Step]:  # type: ignore
     return steps
 
 
-def report(steps: list[Step], weight_bytes: int, bandwidth_gbs: float, flops: tuple[int, int],
+def report(steps: list[Step], weight_bytes: int, bandwidth_gbs: float, flops: tuple[int, int, int],
            rate_gflops: float) -> str:
-    layer_flops, head_flops = flops
-
     def floor(s: Step) -> float:
         read = weight_bytes / (bandwidth_gbs * 1e9)
-        compute = ((s.prefill_tokens + s.decode_rows) * layer_flops + s.sampled * head_flops) / (rate_gflops * 1e9)
-        return max(read, compute)
+        return max(read, step_flops(s, flops) / (rate_gflops * 1e9))
 
     groups: list[tuple[str, list[Step]]] = [("mixed (prefill + decode rows)", [s for s in steps if s.prefill_tokens])]
     for lo, hi in ROW_BUCKETS:
@@ -166,6 +219,7 @@ def main() -> None:
     before = read_bandwidth_gbs(1024)
     steps = trace(llm, work)
     rate, after = gemm_rate(net), read_bandwidth_gbs(1024)
+    peak = bf16_peak_gflops(torch.get_num_threads()) if args.dtype == "bfloat16" else None
     bandwidth = max(before, after)
     weights = bytes_read_per_token(net)
     head = (f"# {args.workload} {args.dtype} kv={args.kv} model={args.model_size or 'default'}: "
@@ -174,6 +228,11 @@ def main() -> None:
             f"run: {before:.1f} / {after:.1f}); "
             f"linear FLOPs at {rate:.0f} GFLOP/s (the largest layer linear on 1,024 rows)")
     text = head + "\n" + report(steps, weights, bandwidth, linear_flops(net), rate)
+    if peak:
+        need = sum(step_flops(s, linear_flops(net)) for s in steps)
+        text += (f"\n# the CPU's VDPBF16PS peak on {torch.get_num_threads()} threads (registers only): {peak:.0f} "
+                 f"GFLOP/s; this run's linear FLOPs ({need / 1e12:.2f} TFLOP) take {need / peak / 1e9:.2f} s at it, "
+                 f"{need / rate / 1e9:.2f} s at the kernel's 1,024-row rate")
     peers.emit(text, args.save)
 
 

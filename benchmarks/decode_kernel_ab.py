@@ -3,7 +3,8 @@
 Why: on a shared machine, timings taken minutes apart in separate processes differ by 2x; two
 builds timed call by call under the same load can be compared. Builds `--old-source` (e.g. a
 `git show REV:kvforge/attention/csrc/paged_decode.c > old.c`) beside this tree's kernel and times
-both on the layer of `quantized_decode.py` (3 KV heads x 64, 9 query heads, token scales), printing
+both on the layer of `quantized_decode.py` (3 KV heads x 64, 9 query heads, token scales; `--heads 8 32` for the
+1B preset's 8 KV / 32 query heads), printing
 min and median ms of each and old/new of the minima, and the largest output difference.
 
 Each timed call walks `--layers` caches of that shape in turn, as a decode step walks its layers, so the
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--layers", type=int, default=8, help="caches walked per timed call (out of DRAM, as a step)")
+    ap.add_argument("--heads", type=int, nargs=2, default=[3, 9], metavar=("KV", "Q"),
+                    help="KV and query heads of 64 (the default model's; the 1B preset: 8 32)")
     ap.add_argument("--prefill", action="store_true", help="the prefill kernel on four prompts' chunks instead")
     args = ap.parse_args()
     libs = {"old": NativeLibrary(tuple(p.resolve() for p in args.old_source), "KVFORGE_CPU_KERNEL", "the old decode kernel",
@@ -60,13 +63,15 @@ def main() -> None:
         prefill_ab(libs, args)
         return
     print(f"per layer over {args.layers} layers' caches, {args.batch} sequences x {args.len} tokens, "
+          f"{args.heads[0]} KV / {args.heads[1]} query heads, "
           f"{args.repeats} alternating calls each, {torch.get_num_threads()} threads")
     print(f"{'compute':<9} {'KV format':<10} {'old min':>8} {'old med':>8} {'new min':>8} {'new med':>8} "
           f"{'old/new':>8} {'max diff':>9}")
     try:
         for dtype in args.dtype:
             for fmt in args.formats:
-                layers = [build(fmt, "token", getattr(torch, dtype), args.batch, args.len, seed=i)
+                layers = [build(fmt, "token", getattr(torch, dtype), args.batch, args.len, seed=i,
+                                kv_heads=args.heads[0], heads=args.heads[1])
                           for i in range(args.layers)]
                 times: dict[str, list[float]] = {k: [] for k in libs}
                 outs = {}

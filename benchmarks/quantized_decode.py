@@ -28,17 +28,21 @@ from kvforge.kv.storage.quantized import QuantizedKVCache
 FORMATS = ["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int4"]
 
 
-def build(fmt: str, gran: str, compute: torch.dtype, batch: int, length: int, bs: int = 16, seed: int = 0):
+def build(fmt: str, gran: str, compute: torch.dtype, batch: int, length: int, bs: int = 16, seed: int = 0,
+          kv_heads: int = 3, heads: int = 9):
+    """One layer's cache of `fmt` rows (the default model's 3 KV / 9 query heads of 64 unless given), its
+    blocks shuffled in the pool, with one decode query per sequence."""
     g = torch.Generator().manual_seed(seed)
     nb = length // bs
-    cache = QuantizedKVCache(batch * nb + 1, bs, 3, 64, 64, fmt, fmt, gran, compute)
+    cache = QuantizedKVCache(batch * nb + 1, bs, kv_heads, 64, 64, fmt, fmt, gran, compute)
     slots = torch.arange(bs, (batch * nb + 1) * bs)
     for s in range(0, slots.numel(), 4096):  # filled in chunks: per-channel scales see whole blocks
         part = slots[s:s + 4096]
-        cache.write(part, torch.randn(part.numel(), 3, 64, generator=g), torch.randn(part.numel(), 3, 64, generator=g))
+        cache.write(part, torch.randn(part.numel(), kv_heads, 64, generator=g),
+                    torch.randn(part.numel(), kv_heads, 64, generator=g))
     tables = (torch.randperm(batch * nb, generator=g) + 1).view(batch, nb)
     meta = AttentionMetadata(torch.zeros(batch, dtype=torch.long), batch, tables, torch.full((batch,), length))
-    q = torch.randn(batch, 9, 64, generator=g).to(compute)
+    q = torch.randn(batch, heads, 64, generator=g).to(compute)
     return q, cache, meta
 
 

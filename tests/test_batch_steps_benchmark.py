@@ -36,7 +36,7 @@ def test_floors_are_the_larger_of_reading_the_weights_and_the_flops() -> None:
         # past the last bounded bucket: 300 x 1.5 GFLOP = 4.5 s
         batch_steps.Step(prefill_tokens=0, decode_rows=300, sampled=300, seconds=9.0),
     ]
-    table = rows(batch_steps.report(steps, weight_bytes=10**9, bandwidth_gbs=10.0, flops=(10**9, 5 * 10**8),
+    table = rows(batch_steps.report(steps, weight_bytes=10**9, bandwidth_gbs=10.0, flops=(10**9, 5 * 10**8, 0),
                                     rate_gflops=100.0))
     mixed = table["mixed (prefill + decode rows)"]
     # n, s, share, ms/step, ms/token, floor s, of floor
@@ -52,6 +52,42 @@ def test_floors_are_the_larger_of_reading_the_weights_and_the_flops() -> None:
     assert many[0] == "1" and float(many[5]) == pytest.approx(4.5, abs=0.01)
     whole = table["all"]
     assert whole[0] == "4" and float(whole[1]) == pytest.approx(30.1)
+
+
+def test_rows_whose_logits_are_not_read_skip_the_last_layers_linears(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A Llama computes its last layer past the K/V projections on the read rows alone (models/output_rows.py):
+    the floor counts those FLOPs once per read row, not per row, and not at all with KVFORGE_LAST_LAYER_ROWS=0."""
+    import torch
+
+    from kvforge import LLM, envs
+
+    model_dir = str(tmp_path / "tiny")
+    build_tiny_model(model_dir)
+    net = LLM(model=model_dir, num_kv_blocks=16, log_ledger=False).engine.model
+    layer, head, skipped = batch_steps.linear_flops(net)
+    last = net.model.layers[-1]
+    linears = [m for m in last.modules() if isinstance(m, torch.nn.Linear)]
+    expect = sum(2 * m.in_features * m.out_features for m in linears if m is not last.self_attn.qkv_proj)
+    assert skipped == expect and 0 < skipped < layer
+    assert head == 2 * net.lm_head.in_features * net.lm_head.out_features
+    step = batch_steps.Step(prefill_tokens=100, decode_rows=4, sampled=5, seconds=1.0)
+    assert batch_steps.step_flops(step, (layer, head, skipped)) == 104 * layer - 99 * skipped + 5 * head
+    old = envs.KVFORGE_LAST_LAYER_ROWS
+    try:
+        envs.KVFORGE_LAST_LAYER_ROWS = False
+        assert batch_steps.linear_flops(net)[2] == 0
+    finally:
+        envs.KVFORGE_LAST_LAYER_ROWS = old
+
+
+def test_the_bf16_peak_probe_measures_where_the_cpu_has_avx512_bf16() -> None:
+    with open("/proc/cpuinfo") as f:
+        has = "avx512_bf16" in f.read()
+    peak = batch_steps.bf16_peak_gflops(1, rounds=1)
+    if has:
+        assert peak is not None and 10 < peak < 10_000  # one core: tens to hundreds of GFLOP/s
+    else:
+        assert peak is None
 
 
 def test_a_tiny_run_traces_every_step(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -84,6 +84,22 @@ def test_leading_dims_and_bad_input():
         pl.panel_linear(torch.randn(2, 8), pl.pack_panels(torch.randn(5, 8, dtype=torch.bfloat16)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_is_written_in_place_and_checked(dtype):
+    """`out=` (benchmarks timing the multiply alone) gets the bits a fresh output would, and a wrong shape,
+    dtype or layout is refused before anything is written."""
+    w = pl.pack_panels(torch.randn(37, 24).to(dtype))
+    x, b = torch.randn(2, 3, 24).to(dtype), torch.randn(37).to(dtype)
+    out = torch.full((6, 37), float("nan"), dtype=dtype)
+    y = pl.panel_linear(x, w, b, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.shape == (2, 3, 37)
+    assert torch.equal(y, pl.panel_linear(x, w, b))
+    for bad in (torch.empty(6, 36, dtype=dtype), torch.empty(6, 37, dtype=torch.float16),
+                torch.empty(37, 6, dtype=dtype).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            pl.panel_linear(x, w, out=bad)
+
+
 def _dense(pw: pl.PanelWeight) -> torch.Tensor:
     """Undo the packing: the packed bytes hold exactly the weight plus zero padding."""
     panels, k, nr = pw.packed.shape

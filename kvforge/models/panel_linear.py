@@ -207,9 +207,11 @@ def panel_rows(pw: PanelWeight, rows: torch.Tensor) -> torch.Tensor:
 
 
 def panel_linear(x: torch.Tensor, pw: PanelWeight, bias: torch.Tensor | None = None,
-                 num_threads: int | None = None) -> torch.Tensor:
+                 num_threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., K] @ W^T (+ bias) for CPU x in the weight's dtype; leading dims are flattened into rows
-    (inference only)."""
+    (inference only). `out`: a contiguous [rows, N] tensor of that dtype to write instead of a new one (a
+    benchmark timing the multiply alone: a fresh output of 32 MiB or more is a new mapping each call,
+    faulted in page by page)."""
     dtype = pw.dtype
     library = _library(dtype)
     lib = library.load()
@@ -221,7 +223,10 @@ def panel_linear(x: torch.Tensor, pw: PanelWeight, bias: torch.Tensor | None = N
     lead = x.shape[:-1]
     x2 = x.reshape(-1, pw.k).contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, pw.n, dtype=dtype)
+    if out is not None and (out.shape != (m, pw.n) or out.dtype != dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape ({m}, {pw.n}), got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    y = out if out is not None else torch.empty(m, pw.n, dtype=dtype)
     if m == 0:
         return y.view(*lead, pw.n)
     if bias is not None:
