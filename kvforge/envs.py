@@ -19,6 +19,8 @@ The C kernels' compile-time tuning macros are documented in `docs/kernel-tuning.
 from __future__ import annotations
 
 import os
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -138,3 +140,19 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *VARIABLES])
+
+
+class _EnvModule(types.ModuleType):
+    """This module, refusing assignment to a declared name. Why: `envs.NAME = value` (or a test's
+    `monkeypatch.setattr(envs, NAME, ...)`, whose undo assigns the old value back) would leave a plain module
+    attribute that hides `__getattr__` for good, so every later read ignores the environment. A test that did
+    so turned `monkeypatch.setenv` into a no-op for the tests after it."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in VARIABLES:
+            raise AttributeError(f"{name} is read from the environment at each access: set os.environ[{name!r}] "
+                                 f"(monkeypatch.setenv in a test) instead of assigning it")
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _EnvModule

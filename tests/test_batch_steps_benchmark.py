@@ -54,12 +54,12 @@ def test_floors_are_the_larger_of_reading_the_weights_and_the_flops() -> None:
     assert whole[0] == "4" and float(whole[1]) == pytest.approx(30.1)
 
 
-def test_rows_whose_logits_are_not_read_skip_the_last_layers_linears(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_rows_whose_logits_are_not_read_skip_the_last_layers_linears(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A Llama computes its last layer past the K/V projections on the read rows alone (models/output_rows.py):
     the floor counts those FLOPs once per read row, not per row, and not at all with KVFORGE_LAST_LAYER_ROWS=0."""
     import torch
 
-    from kvforge import LLM, envs
+    from kvforge import LLM
 
     model_dir = str(tmp_path / "tiny")
     build_tiny_model(model_dir)
@@ -72,12 +72,8 @@ def test_rows_whose_logits_are_not_read_skip_the_last_layers_linears(tmp_path) -
     assert head == 2 * net.lm_head.in_features * net.lm_head.out_features
     step = batch_steps.Step(prefill_tokens=100, decode_rows=4, sampled=5, seconds=1.0)
     assert batch_steps.step_flops(step, (layer, head, skipped)) == 104 * layer - 99 * skipped + 5 * head
-    old = envs.KVFORGE_LAST_LAYER_ROWS
-    try:
-        envs.KVFORGE_LAST_LAYER_ROWS = False
-        assert batch_steps.linear_flops(net)[2] == 0
-    finally:
-        envs.KVFORGE_LAST_LAYER_ROWS = old
+    monkeypatch.setenv("KVFORGE_LAST_LAYER_ROWS", "0")  # envs reads the environment at each access
+    assert batch_steps.linear_flops(net)[2] == 0
 
 
 def test_the_bf16_peak_probe_measures_where_the_cpu_has_avx512_bf16() -> None:

@@ -77,6 +77,18 @@ def test_values_are_typed_read_when_asked_and_checked(monkeypatch):
         envs.KVFORGE_NOT_DECLARED
 
 
+def test_assigning_a_declared_variable_is_refused_and_the_environment_keeps_working(monkeypatch):
+    """An assignment would leave a module attribute hiding the environment for every later read (and test)."""
+    monkeypatch.setenv("KVFORGE_LAST_LAYER_ROWS", "0")
+    with pytest.raises(AttributeError, match="KVFORGE_LAST_LAYER_ROWS is read from the environment"):
+        envs.KVFORGE_LAST_LAYER_ROWS = True
+    with pytest.raises(AttributeError, match="monkeypatch.setenv"):
+        setattr(envs, "KVFORGE_FUSED_OPS", False)
+    assert envs.KVFORGE_LAST_LAYER_ROWS is False
+    monkeypatch.setenv("KVFORGE_LAST_LAYER_ROWS", "1")
+    assert envs.KVFORGE_LAST_LAYER_ROWS is True and "KVFORGE_LAST_LAYER_ROWS" not in vars(envs)
+
+
 def test_every_declared_variable_has_a_comment_and_the_set_ones_are_listed(monkeypatch):
     for var in envs.VARIABLES.values():
         assert var.name.startswith("KVFORGE_") and len(var.help) > 10, var.name
