@@ -227,9 +227,10 @@ def main() -> None:
             f"# floors: {weights / 1e9:.3f} GB of weights a step at {bandwidth:.1f} GB/s (probes before / after the "
             f"run: {before:.1f} / {after:.1f}); "
             f"linear FLOPs at {rate:.0f} GFLOP/s (the largest layer linear on 1,024 rows)")
-    text = head + "\n" + report(steps, weights, bandwidth, linear_flops(net), rate)
+    flops = linear_flops(net)
+    text = head + "\n" + report(steps, weights, bandwidth, flops, rate)
     if peak:
-        need = sum(step_flops(s, linear_flops(net)) for s in steps)
+        need = sum(step_flops(s, flops) for s in steps)
         text += (f"\n# the CPU's VDPBF16PS peak on {torch.get_num_threads()} threads (registers only): {peak:.0f} "
                  f"GFLOP/s; this run's linear FLOPs ({need / 1e12:.2f} TFLOP) take {need / peak / 1e9:.2f} s at it, "
                  f"{need / rate / 1e9:.2f} s at the kernel's 1,024-row rate")

@@ -54,7 +54,7 @@ def test_floors_are_the_larger_of_reading_the_weights_and_the_flops() -> None:
     assert whole[0] == "4" and float(whole[1]) == pytest.approx(30.1)
 
 
-def test_rows_whose_logits_are_not_read_skip_the_last_layers_linears(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_unread_rows_skip_the_last_layers_linears(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     """A Llama computes its last layer past the K/V projections on the read rows alone (models/output_rows.py):
     the floor counts those FLOPs once per read row, not per row, and not at all with KVFORGE_LAST_LAYER_ROWS=0."""
     import torch

@@ -34,8 +34,9 @@ class AttentionMetadata:
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def rows_as_decodes(self, index: torch.Tensor) -> AttentionMetadata:
-        """Rows `index` of this step ([R] int64 on the metadata's device, ascending, distinct) as decode rows: each one query over its sequence's
-        context up to and including its own token, whose K/V the step has already written.
+        """Rows `index` of this step ([R] int64 on the metadata's device, ascending, distinct) as decode rows:
+        each one query over its sequence's context up to and including its own token, whose K/V the step has
+        already written.
 
         Why: a model's last layer needs only the rows whose logits are read (a sampled sequence's last
         token; `LlamaForCausalLM.forward`'s `output_rows`), and one query's attention in the full step is
