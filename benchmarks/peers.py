@@ -42,6 +42,8 @@ N = OMP_NUM_THREADS or every CPU this process may use, to match the threads the 
 yourself, e.g. `auto`, to override). LD_PRELOAD gets tcmalloc and Intel OpenMP as vLLM's CPU guide asks, where
 found (`vllm_preload`). Peak RSS is the sum of its processes' peaks (front end, engine core, worker: an upper
 bound, since shared pages count in each), each process's peak also in the JSON.
+Each engine keeps its own KV block size (kvforge 16 tokens, vLLM CPU 128) unless `--block-size N` sets both:
+kvforge's and vLLM's (OpenVINO's CPU cache and llama.cpp keep theirs; `kv_block_size.py` says what it is worth).
 
     python benchmarks/peers.py --model-size 1b --quantization none --engines kvforge openvino vllm \
         --openvino-python ovenv/bin/python --openvino-model ov_1b_bf16 --vllm-python vllmenv/bin/python
@@ -82,6 +84,7 @@ from quiet import busy_processes, describe, run_group
 VOCAB = 49152  # the default model's vocabulary
 WORKLOADS = ("single", "batch", "shared", "long")
 BUDGET = dict(max_num_seqs=64, max_num_batched_tokens=1024)  # every engine: same token budget per step
+BLOCK_SIZE_ENGINES = ("kvforge", "vllm")  # the engines --block-size sets (OpenVINO's CPU cache and llama.cpp: their own)
 KV_MEMORY_GIB = 2
 # KV settings: "8bit" is int8 for kvforge and u8 (its default) for OpenVINO; "fp8" (e4m3) is kvforge only:
 # OpenVINO GenAI's CPU cache takes no fp8 precision.
@@ -158,13 +161,16 @@ def emit(text: str, save: str | None) -> None:
             f.write(text + "\n")
 
 
-def kvforge_llm(dtype: str, kv: str, model: str | None = None, quantization: str = "none", group_size: int = 32):  # type: ignore[no-untyped-def]
-    """kvforge's LLM as every benchmark of this workload set runs it: the shared budget and KV pool."""
+def kvforge_llm(dtype: str, kv: str, model: str | None = None, quantization: str = "none", group_size: int = 32,
+                block_size: int | None = None):  # type: ignore[no-untyped-def]
+    """kvforge's LLM as every benchmark of this workload set runs it: the shared budget and KV pool (and KV blocks
+    of `block_size` tokens when given; else its default)."""
     from kvforge import LLM
 
+    blocks = {} if block_size is None else {"block_size": block_size}
     return LLM(model=model, dtype=dtype, kv_cache_dtype=KVFORGE_KV[kv], quantization=None if quantization == "none"
                else quantization, quantization_group_size=group_size, kv_cache_memory=f"{KV_MEMORY_GIB}GiB",
-               max_model_len=4096, log_ledger=False, **BUDGET)
+               max_model_len=4096, log_ledger=False, **BUDGET, **blocks)
 
 
 def warm_up(llm, work: list[tuple[list[int], int]]) -> None:  # type: ignore[no-untyped-def]
@@ -177,10 +183,11 @@ def warm_up(llm, work: list[tuple[list[int], int]]) -> None:  # type: ignore[no-
 
 
 def run_kvforge(dtype: str, kv: str, work: list[tuple[list[int], int]], warm: bool, model: str | None = None,
-                quantization: str = "none", probe: bool = False, group_size: int = 32) -> dict:
+                quantization: str = "none", probe: bool = False, group_size: int = 32,
+                block_size: int | None = None) -> dict:
     from kvforge import SamplingParams
 
-    llm = kvforge_llm(dtype, kv, model, quantization, group_size)
+    llm = kvforge_llm(dtype, kv, model, quantization, group_size, block_size)
     engine = llm.engine
     if warm:
         warm_up(llm, work)
@@ -331,7 +338,8 @@ def vllm_preload() -> str:
     return ":".join(libs)
 
 
-def run_vllm(model_dir: str, dtype: str, work: list[tuple[list[int], int]], warm: bool) -> dict:
+def run_vllm(model_dir: str, dtype: str, work: list[tuple[list[int], int]], warm: bool,
+             block_size: int | None = None) -> dict:
     """vLLM's offline engine stepped by hand, like the others: outputs are cumulative, so each step's new tokens
     are the growth of every request's token_ids. Peak RSS is read before the engine shuts down."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", vllm_threads_bind())
@@ -340,8 +348,9 @@ def run_vllm(model_dir: str, dtype: str, work: list[tuple[list[int], int]], warm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    blocks = {} if block_size is None else {"block_size": block_size}  # None: its CPU default (128)
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=4096, enable_prefix_caching=True, seed=0,
-              kv_cache_memory_bytes=KV_MEMORY_GIB << 30, **BUDGET)
+              kv_cache_memory_bytes=KV_MEMORY_GIB << 30, **BUDGET, **blocks)
     engine = llm.llm_engine
 
     def params(n: int):
@@ -376,11 +385,11 @@ def child(args: argparse.Namespace) -> None:
     quant = args.quantization[0]
     if engine == "kvforge":
         res = run_kvforge(dtype, kv, work, warm=True, model=args.model, quantization=quant, probe=args.probe,
-                          group_size=args.group_size)
+                          group_size=args.group_size, block_size=args.block_size)
         if quant == "int4":
             res["group_size"] = args.group_size
     elif engine == "vllm":
-        res = run_vllm(args.model, dtype, work, warm=True)
+        res = run_vllm(args.model, dtype, work, warm=True, block_size=args.block_size)
     elif engine == "llamacpp":
         from peer_llamacpp import run_llamacpp
 
@@ -391,6 +400,8 @@ def child(args: argparse.Namespace) -> None:
     else:
         res = run_openvino(args.openvino_model, dtype, kv, work, warm=True)
         res["peak_rss_gb"] = peak_rss_gb()
+    if args.block_size is not None and engine in BLOCK_SIZE_ENGINES:
+        res["block_size"] = args.block_size
     print(json.dumps({"engine": engine, "dtype": dtype, "kv": kv, "weights": quant, "workload": workload, **res}))
 
 
@@ -479,6 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "int4=model-Q4_K_M.gguf")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink request counts and lengths (quick runs)")
     ap.add_argument("--max-tokens", type=int, default=0, help="cap every request's output tokens (quick runs)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per KV block for kvforge and vLLM (default: each engine's own: kvforge 16, vLLM "
+                         "CPU 128); OpenVINO and llama.cpp keep theirs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="kvforge's model (default: SmolLM2-135M-Instruct; smoke tests)")
     ap.add_argument("--model-size", choices=sorted(PRESETS), default=None,
@@ -502,6 +516,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         fmt, eq, path = pair.partition("=")
         if not eq or fmt not in QUANTIZATIONS or not path:
             ap.error(f"--llamacpp-gguf takes FORMAT=FILE with FORMAT one of {', '.join(QUANTIZATIONS)}, got {pair!r}")
+    if args.block_size is not None and not 1 <= args.block_size <= 1024:
+        ap.error(f"--block-size must be in [1, 1024], got {args.block_size}")
     if args.max_tokens < 0:
         ap.error(f"--max-tokens must be positive (0: as the workload asks), got {args.max_tokens}")
     sized = args.model_size is not None
@@ -554,6 +570,10 @@ def main() -> None:
         if why:
             print(f"skipping {PEER_NAMES[engine]}: {why}", file=sys.stderr)
             engines.remove(engine)
+    others = [PEER_NAMES[e] for e in engines if e not in BLOCK_SIZE_ENGINES]
+    if args.block_size is not None and others:
+        print(f"note: --block-size {args.block_size} sets kvforge's and vLLM's KV blocks; {', '.join(others)} "
+              f"keep their own", file=sys.stderr)
     pythons = {"openvino": args.openvino_python, "vllm": args.vllm_python}
     configs = configs_of(args, engines)
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
@@ -566,6 +586,8 @@ def main() -> None:
                    "--max-tokens", str(args.max_tokens)]
             if args.model:
                 cmd += ["--model", args.model]
+            if args.block_size is not None:
+                cmd += ["--block-size", str(args.block_size)]
             if args.probe:
                 cmd += ["--probe"]
             if engine == "openvino":
@@ -599,7 +621,7 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.save) or ".", exist_ok=True)
         with open(args.save, "w") as f:
             json.dump({"scale": args.scale, "seed": args.seed, "repeats": args.repeats, "model_size": args.model_size,
-                       "max_tokens": args.max_tokens, "rows": rows}, f, indent=2)
+                       "max_tokens": args.max_tokens, "block_size": args.block_size, "rows": rows}, f, indent=2)
         plot(rows, args.save.rsplit(".", 1)[0] + ".png")
 
 

@@ -117,6 +117,20 @@ def test_model_size_fills_in_its_defaults() -> None:
         parse_args(["--group-size", "16"])
 
 
+def test_block_size_reaches_kvforge_and_is_checked(tiny: str) -> None:
+    """`--block-size` is kvforge's (and vLLM's) KV block; without it each engine keeps its own default."""
+    _benchmarks_on_path()
+    from peers import kvforge_llm, parse_args
+
+    from kvforge.config import CacheConfig
+
+    assert parse_args([]).block_size is None and parse_args(["--block-size", "64"]).block_size == 64
+    assert kvforge_llm("float32", "model", tiny, block_size=64).engine.config.cache_config.block_size == 64
+    assert kvforge_llm("float32", "model", tiny).engine.config.cache_config.block_size == CacheConfig().block_size
+    proc = run("--engines", "kvforge", "--block-size", "0", "--model", tiny)
+    assert proc.returncode == 2 and "--block-size must be in [1, 1024], got 0" in proc.stderr
+
+
 def test_model_size_with_a_model_is_a_usage_error() -> None:
     proc = run("--model-size", "1b", "--model", "/some/folder")
     assert proc.returncode == 2 and "--model-size builds its own model" in proc.stderr

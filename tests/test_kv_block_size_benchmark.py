@@ -1,0 +1,58 @@
+"""benchmarks/kv_block_size.py: both modes print a row per block size, and bad sizes are usage errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiny_models import VOCAB, build_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "kv_block_size.py")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def rows(out: str) -> dict[int, list[str]]:
+    """The table's rows by block size (lines that start with one)."""
+    return {int(cols[0]): cols for cols in (ln.split() for ln in out.splitlines()) if cols and cols[0].isdigit()}
+
+
+def test_the_kernel_table_has_every_size_with_a_time_and_a_ratio(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    save = tmp_path / "kernel.txt"
+    proc = run("--batch", "2", "--len", "64", "--layers", "2", "--repeats", "2", "--sizes", "16", "32",
+               "--save", str(save))
+    assert proc.returncode == 0, proc.stderr
+    table = rows(proc.stdout)
+    assert sorted(table) == [16, 32]
+    assert all(float(cols[1]) > 0 and cols[-1].endswith("x") for cols in table.values())
+    assert table[16][-1] == "1.00x"  # the first size is the base
+    assert save.read_text().strip() == proc.stdout.strip()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--len", "100", "--sizes", "16", "64"], "multiple of every block size"),
+    (["--sizes", "0"], "must be positive"),
+    (["--engine", "--model", "x", "--model-size", "1b"], "give one"),
+])
+def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
+    proc = run(*args)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+@pytest.mark.slow  # two engine child processes
+def test_the_engine_table_runs_the_workload_once_per_size(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = str(tmp_path / "tiny")
+    build_tiny_model(model, max_position_embeddings=4096)
+    proc = run("--engine", "--model", model, "--workload", "batch", "--scale", "0.05", "--rounds", "1",
+               "--vocab", str(VOCAB), "--sizes", "16", "64")
+    assert proc.returncode == 0, proc.stderr
+    table = rows(proc.stdout)
+    assert sorted(table) == [16, 64] and table[16][5] == "1.000x"
+    assert all(float(cols[2]) > 0 for cols in table.values())  # output tok/s
+    assert proc.stderr.count("round 1/1") == 2
