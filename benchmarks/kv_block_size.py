@@ -8,8 +8,10 @@ prefixes more finely (a cache hit covers whole blocks only), waste fewer slots a
 the unit of block-level eviction and of per-block KV scales. This measures the speed side:
 
 - `kernel` (default): the CPU decode kernel over `--layers` layers' caches of one shape, each block size's
-  pool shuffled as a long-running server's is, the sizes' calls alternating in one process (ms per layer and
-  the KV read rate);
+  pool once shuffled (a long-running server's worst case) and once with every sequence's blocks in order (a
+  fresh pool's prompts), the calls alternating in one process (ms per layer and the KV read rate);
+- `--tables`: how often, step by step through a workload, a sequence's next block is also the pool's next
+  block in the engine's own tables (which kernel column the engine is nearer);
 - `--engine`: `peers.py`'s workload through the whole engine, one process per (block size, round), the sizes
   alternating round by round (wall, output tok/s, decode-phase tok/s, mean TTFT).
 
@@ -37,33 +39,44 @@ SIZES = (16, 32, 64, 128)
 
 
 def kernel(args: argparse.Namespace) -> str:
-    """Decode attention per layer at each block size, calls alternating, as a text table."""
+    """Decode attention per layer at each block size, on a shuffled pool and on one whose tables run in order,
+    calls alternating, as a text table."""
     from kvforge.attention.cpu_paged import paged_attention_cpu
     from quantized_decode import build
 
     kv_heads, heads = args.heads
     dtype = getattr(torch, args.dtype)
-    pools = {bs: [build(args.dtype, "token", dtype, args.batch, args.len, bs=bs, seed=i, kv_heads=kv_heads,
-                        heads=heads) for i in range(args.layers)]
-             for bs in args.sizes}
-    times: dict[int, list[float]] = {bs: [] for bs in args.sizes}
-    outs: dict[int, torch.Tensor] = {}
+
+    def layers(bs: int, in_order: bool) -> list:
+        built = [build(args.dtype, "token", dtype, args.batch, args.len, bs=bs, seed=i, kv_heads=kv_heads,
+                       heads=heads) for i in range(args.layers)]
+        if in_order:  # each sequence's blocks one after the other in the pool (block 0 is the pool's null block)
+            for _, _, meta in built:
+                nb = args.len // bs
+                meta.decode_block_tables.copy_(torch.arange(1, args.batch * nb + 1).view(args.batch, nb))
+        return built
+
+    pools = {(bs, in_order): layers(bs, in_order) for bs in args.sizes for in_order in (False, True)}
+    times: dict[tuple[int, bool], list[float]] = {key: [] for key in pools}
     for _ in range(args.repeats + 1):
-        for bs, layers in pools.items():
+        for key, caches in pools.items():
             start = time.perf_counter()
-            for q, cache, meta in layers:
-                outs[bs] = paged_attention_cpu(q, cache, meta, 0.125)
-            times[bs].append((time.perf_counter() - start) / len(layers))
+            for q, cache, meta in caches:
+                paged_attention_cpu(q, cache, meta, 0.125)
+            times[key].append((time.perf_counter() - start) / len(caches))
+    best = {key: min(t[1:]) for key, t in times.items()}  # the first call warms up
     kv_bytes = args.batch * args.len * kv_heads * 64 * 2 * dtype.itemsize
-    base = min(times[args.sizes[0]][1:])
+    base = best[(args.sizes[0], False)]
     lines = [f"# decode attention, {args.batch} sequences x {args.len} tokens, {kv_heads} KV / {heads} query heads "
              f"of 64, {args.dtype}, {args.layers} layers' caches a call, {args.repeats} alternating calls each, "
-             f"{torch.get_num_threads()} threads",
-             f"{'block':>6} {'min ms':>8} {'med ms':>8} {'GB/s':>6} {'vs ' + str(args.sizes[0]):>7}"]
+             f"{torch.get_num_threads()} threads; min ms per layer, KV GB/s, and against {args.sizes[0]} shuffled",
+             f"{'block':>6} {'shuffled ms':>12} {'GB/s':>6} {'vs base':>8} {'in order ms':>12} {'GB/s':>6} {'vs base':>8}"]
     for bs in args.sizes:
-        t = sorted(times[bs][1:])  # the first call warms up
-        lines.append(f"{bs:>6} {t[0] * 1e3:>8.3f} {statistics.median(t) * 1e3:>8.3f} {kv_bytes / t[0] / 1e9:>6.1f} "
-                     f"{base / t[0]:>6.2f}x")
+        cols = []
+        for in_order in (False, True):
+            t = best[(bs, in_order)]
+            cols.append(f"{t * 1e3:>12.3f} {kv_bytes / t / 1e9:>6.1f} {base / t:>7.2f}x")
+        lines.append(f"{bs:>6} " + " ".join(cols))
     return "\n".join(lines)
 
 
@@ -111,11 +124,52 @@ def engine(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def tables(args: argparse.Namespace) -> str:
+    """How often a sequence's next block is the pool's next block, in the engine's own tables, step by step
+    through a workload (in this process): what the kernel's `in order` and `shuffled` columns stand for."""
+    from kvforge import SamplingParams
+
+    model = args.model
+    if args.model_size:
+        from random_llama import ensure_model
+
+        model = ensure_model(args.model_size, log=lambda s: print(s, file=sys.stderr))
+    llm = peers.kvforge_llm(args.dtype, "model", model, block_size=args.sizes[0])
+    peers.warm_up(llm, [([5], 1)])
+    engine = llm.engine
+    ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
+           for p, o in peers.requests(args.workload, 0, args.scale, args.vocab)]
+    lines = [f"# {args.workload} through the engine on {args.sizes[0]}-token blocks (model "
+             f"{args.model_size or model or 'default'}, scale {args.scale}): running sequences' block pairs whose "
+             f"second block follows the first in the pool",
+             f"{'step':>6} {'sequences':>10} {'pairs':>7} {'in order':>9}"]
+    step = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        step += 1
+        if step % args.every:
+            continue
+        pairs = adjacent = seqs = 0
+        for rid in ids:
+            blocks = engine.kv.block_ids(rid)[0]  # empty once finished: its blocks are back in the pool
+            if not blocks:
+                continue
+            seqs += 1
+            pairs += len(blocks) - 1
+            adjacent += sum(b == a + 1 for a, b in zip(blocks, blocks[1:]))
+        if pairs > 0:
+            lines.append(f"{step:>6} {seqs:>10} {pairs:>7} {adjacent / pairs:>8.0%}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="block sizes; the first is the base")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--engine", action="store_true", help="a peers.py workload through the engine instead")
+    ap.add_argument("--tables", action="store_true",
+                    help="how often the engine's tables run in order through a workload (the first --sizes only)")
+    ap.add_argument("--every", type=int, default=20, help="tables: print every this many steps")
     ap.add_argument("--heads", type=int, nargs=2, default=[3, 9], metavar=("KV", "Q"),
                     help="kernel: KV and query heads of 64 (the default model's; the 1B preset: 8 32)")
     ap.add_argument("--batch", type=int, default=32, help="kernel: sequences")
@@ -132,11 +186,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if any(bs < 1 for bs in args.sizes):
         ap.error(f"--sizes must be positive, got {args.sizes}")
-    if not args.engine and any(args.len % bs for bs in args.sizes):
+    if args.engine and args.tables:
+        ap.error("--engine and --tables: give one")
+    if args.every < 1:
+        ap.error(f"--every must be positive, got {args.every}")
+    if not (args.engine or args.tables) and any(args.len % bs for bs in args.sizes):
         ap.error(f"--len ({args.len}) must be a multiple of every block size {args.sizes}")
     if args.model and args.model_size:
         ap.error("--model and --model-size: give one")
-    text = engine(args) if args.engine else kernel(args)
+    text = tables(args) if args.tables else engine(args) if args.engine else kernel(args)
     print(text)
     if args.save:
         with open(args.save, "w") as f:

@@ -30,8 +30,8 @@ def test_the_kernel_table_has_every_size_with_a_time_and_a_ratio(tmp_path) -> No
     assert proc.returncode == 0, proc.stderr
     table = rows(proc.stdout)
     assert sorted(table) == [16, 32]
-    assert all(float(cols[1]) > 0 and cols[-1].endswith("x") for cols in table.values())
-    assert table[16][-1] == "1.00x"  # the first size is the base
+    assert all(len(cols) == 7 and float(cols[1]) > 0 and float(cols[4]) > 0 for cols in table.values())
+    assert table[16][3] == "1.00x"  # 16-token blocks, shuffled: the base
     assert save.read_text().strip() == proc.stdout.strip()
 
 
@@ -39,6 +39,8 @@ def test_the_kernel_table_has_every_size_with_a_time_and_a_ratio(tmp_path) -> No
     (["--len", "100", "--sizes", "16", "64"], "multiple of every block size"),
     (["--sizes", "0"], "must be positive"),
     (["--engine", "--model", "x", "--model-size", "1b"], "give one"),
+    (["--engine", "--tables"], "--engine and --tables: give one"),
+    (["--tables", "--every", "0"], "--every must be positive"),
 ])
 def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
     proc = run(*args)
@@ -56,3 +58,16 @@ def test_the_engine_table_runs_the_workload_once_per_size(tmp_path) -> None:  # 
     assert sorted(table) == [16, 64] and table[16][5] == "1.000x"
     assert all(float(cols[2]) > 0 for cols in table.values())  # output tok/s
     assert proc.stderr.count("round 1/1") == 2
+
+
+def test_the_tables_report_how_often_the_next_block_follows_in_the_pool(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = str(tmp_path / "tiny")
+    build_tiny_model(model, max_position_embeddings=4096)
+    proc = run("--tables", "--model", model, "--workload", "batch", "--scale", "0.1", "--every", "1",
+               "--vocab", str(VOCAB))
+    assert proc.returncode == 0, proc.stderr
+    steps = [ln.split() for ln in proc.stdout.splitlines() if ln.split() and ln.split()[0].isdigit()]
+    assert steps, proc.stdout
+    for step, seqs, pairs, share in steps:
+        assert int(seqs) >= 1 and int(pairs) >= 1 and 0 <= int(share.rstrip("%")) <= 100
+    assert int(steps[0][0]) == 1  # every step printed with --every 1 (a step with no block pair is left out)
