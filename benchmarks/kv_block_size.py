@@ -2,8 +2,9 @@
 
 kvforge's blocks hold 16 tokens (`block_size`, `--block-size`), as vLLM's do on GPUs; vLLM's CPU backend
 picks 128 when the user does not say. A block is one contiguous stretch of the pool (`[blocks, block_size,
-kv_heads, head_dim]`), and a sequence's blocks lie wherever the allocator found them, so a decode step reads
-its KV as runs of one block each. Longer runs let the hardware prefetcher stream; shorter blocks share
+kv_heads, head_dim]`), so a decode step reads a sequence's KV in runs as long as its consecutive blocks are
+also consecutive in the pool: one block where the pool is fragmented, many where the allocator handed them out
+in order. Longer runs let the hardware prefetcher stream; shorter blocks share
 prefixes more finely (a cache hit covers whole blocks only), waste fewer slots at each sequence's end, and are
 the unit of block-level eviction and of per-block KV scales. This measures the speed side:
 
@@ -34,6 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import peers  # noqa: E402
+from random_llama import PRESETS, ensure_model  # noqa: E402
 
 SIZES = (16, 32, 64, 128)
 
@@ -89,13 +91,16 @@ print(json.dumps(peers.run_kvforge({dtype!r}, "model", work, warm=True, model={m
 """
 
 
+def model_folder(args: argparse.Namespace) -> str | None:
+    """`--model`, or the `--model-size` preset's folder (built once), or None: the default model."""
+    if args.model_size:
+        return ensure_model(args.model_size, log=lambda s: print(s, file=sys.stderr))
+    return args.model
+
+
 def engine(args: argparse.Namespace) -> str:
     """The workload once per (round, block size) in its own process, sizes alternating; medians per size."""
-    model = args.model
-    if args.model_size:
-        from random_llama import ensure_model
-
-        model = ensure_model(args.model_size, log=lambda s: print(s, file=sys.stderr))
+    model = model_folder(args)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
     runs: dict[int, list[dict]] = {bs: [] for bs in args.sizes}
     for r in range(args.rounds):
@@ -129,11 +134,7 @@ def tables(args: argparse.Namespace) -> str:
     through a workload (in this process): what the kernel's `in order` and `shuffled` columns stand for."""
     from kvforge import SamplingParams
 
-    model = args.model
-    if args.model_size:
-        from random_llama import ensure_model
-
-        model = ensure_model(args.model_size, log=lambda s: print(s, file=sys.stderr))
+    model = model_folder(args)
     llm = peers.kvforge_llm(args.dtype, "model", model, block_size=args.sizes[0])
     peers.warm_up(llm, [([5], 1)])
     engine = llm.engine
@@ -176,20 +177,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--len", type=int, default=384, help="kernel: tokens each (a multiple of every size)")
     ap.add_argument("--layers", type=int, default=16, help="kernel: caches walked per call (out of DRAM, as a step)")
     ap.add_argument("--repeats", type=int, default=11, help="kernel: timed calls per size")
-    ap.add_argument("--workload", default="batch", choices=peers.WORKLOADS, help="engine: a peers.py workload")
-    ap.add_argument("--model", default=None, help="engine: a model folder (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--model-size", default=None, help="engine: a random_llama.py preset (e.g. 1b) instead")
-    ap.add_argument("--scale", type=float, default=1.0, help="engine: shrink the workload (quick runs)")
+    ap.add_argument("--workload", default="batch", choices=peers.WORKLOADS, help="engine, tables: a peers.py workload")
+    ap.add_argument("--model", default=None, help="engine, tables: a model folder (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model-size", default=None, choices=sorted(PRESETS),
+                    help="engine, tables: a random_llama.py preset instead")
+    ap.add_argument("--scale", type=float, default=1.0, help="engine, tables: shrink the workload (quick runs)")
     ap.add_argument("--rounds", type=int, default=2, help="engine: rounds over the sizes")
-    ap.add_argument("--vocab", type=int, default=peers.VOCAB, help="engine: prompt ids are drawn below this")
+    ap.add_argument("--vocab", type=int, default=peers.VOCAB, help="engine, tables: prompt ids are drawn below this")
     ap.add_argument("--save", default=None, help="also write the table here")
     args = ap.parse_args(argv)
     if any(bs < 1 for bs in args.sizes):
         ap.error(f"--sizes must be positive, got {args.sizes}")
     if args.engine and args.tables:
         ap.error("--engine and --tables: give one")
-    if args.every < 1:
-        ap.error(f"--every must be positive, got {args.every}")
+    for name in ("every", "rounds", "repeats", "layers", "batch"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be positive, got {getattr(args, name)}")
     if not (args.engine or args.tables) and any(args.len % bs for bs in args.sizes):
         ap.error(f"--len ({args.len}) must be a multiple of every block size {args.sizes}")
     if args.model and args.model_size:

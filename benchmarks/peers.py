@@ -161,16 +161,20 @@ def emit(text: str, save: str | None) -> None:
             f.write(text + "\n")
 
 
+def block_kwargs(block_size: int | None) -> dict:
+    """`block_size=` for an engine's constructor when one was asked for; nothing (the engine's own) otherwise."""
+    return {} if block_size is None else {"block_size": block_size}
+
+
 def kvforge_llm(dtype: str, kv: str, model: str | None = None, quantization: str = "none", group_size: int = 32,
                 block_size: int | None = None):  # type: ignore[no-untyped-def]
     """kvforge's LLM as every benchmark of this workload set runs it: the shared budget and KV pool (and KV blocks
     of `block_size` tokens when given; else its default)."""
     from kvforge import LLM
 
-    blocks = {} if block_size is None else {"block_size": block_size}
     return LLM(model=model, dtype=dtype, kv_cache_dtype=KVFORGE_KV[kv], quantization=None if quantization == "none"
                else quantization, quantization_group_size=group_size, kv_cache_memory=f"{KV_MEMORY_GIB}GiB",
-               max_model_len=4096, log_ledger=False, **BUDGET, **blocks)
+               max_model_len=4096, log_ledger=False, **BUDGET, **block_kwargs(block_size))
 
 
 def warm_up(llm, work: list[tuple[list[int], int]]) -> None:  # type: ignore[no-untyped-def]
@@ -348,9 +352,9 @@ def run_vllm(model_dir: str, dtype: str, work: list[tuple[list[int], int]], warm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    blocks = {} if block_size is None else {"block_size": block_size}  # None: its CPU default (128)
     llm = LLM(model=model_dir, dtype=dtype, max_model_len=4096, enable_prefix_caching=True, seed=0,
-              kv_cache_memory_bytes=KV_MEMORY_GIB << 30, **BUDGET, **blocks)
+              kv_cache_memory_bytes=KV_MEMORY_GIB << 30, **BUDGET,
+              **block_kwargs(block_size))  # None: its CPU default (128)
     engine = llm.llm_engine
 
     def params(n: int):

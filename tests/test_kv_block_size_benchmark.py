@@ -41,6 +41,9 @@ def test_the_kernel_table_has_every_size_with_a_time_and_a_ratio(tmp_path) -> No
     (["--engine", "--model", "x", "--model-size", "1b"], "give one"),
     (["--engine", "--tables"], "--engine and --tables: give one"),
     (["--tables", "--every", "0"], "--every must be positive"),
+    (["--engine", "--rounds", "0"], "--rounds must be positive"),
+    (["--repeats", "0"], "--repeats must be positive"),
+    (["--engine", "--model-size", "7b"], "invalid choice: '7b'"),
 ])
 def test_bad_arguments_are_usage_errors(args: list[str], message: str) -> None:
     proc = run(*args)
